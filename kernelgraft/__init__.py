@@ -1,0 +1,14 @@
+"""kernelgraft: find the subgraphs every decoder repeats, graft in Triton kernels whose backward was
+derived with sympy, and check they are no less accurate than the code they replace.
+
+    import kernelgraft
+    model = kernelgraft.optimize(model)          # same object, compiled in place
+    report = kernelgraft.explain(model, **batch) # what would be replaced, and what nearly was
+"""
+
+from . import kernels, patterns
+from .patterns import Scalar, pattern
+from .rewriter import Grafter, explain, optimize
+
+__version__ = "0.1.0"
+__all__ = ["Grafter", "Scalar", "explain", "kernels", "optimize", "pattern", "patterns"]

@@ -1,0 +1,138 @@
+"""A traced pattern, specialized to dtypes and layouts, as sympy: the forward of one element j of a
+row, with each row reduction an explicit symbol r_k defined by its summand.
+
+Every value carries the dtype PyTorch would give it (type promotion, python numbers weak), and a
+value whose dtype is narrower than float32 is wrapped in a rounding: the kernel then rounds exactly
+where the spelling rounds (its upcast path), while computing everything else in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from ..ir import CNode, DtypeOf
+from . import sym
+
+LOW = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SERVED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Unsupported(Exception):
+    """The spec cannot be served by the generator (the caller falls back and reports why)."""
+
+
+@dataclass
+class Reduction:
+    symbol: sympy.Symbol  # r_k: the row value
+    summand: sympy.Expr  # what is summed over j
+    mean: bool  # divide by N
+
+
+@dataclass
+class Spec:
+    name: str  # op-safe identifier of the spelling
+    tensors: list[str]  # kernel names (v_<argument>) of the tensor arguments, in signature order
+    scalars: list[str]  # kernel names of the Scalar arguments
+    kinds: dict[str, str]  # tensor name -> 'elem' (one value per element) | 'col' (one per column)
+    dtypes: dict[str, torch.dtype]
+    reductions: list[Reduction]
+    output: sympy.Expr
+    out_dtype: torch.dtype
+    symbols: dict[str, sympy.Symbol] = field(default_factory=dict)
+
+    N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
+
+
+def _promote(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return torch.promote_types(a, b)
+
+
+_UNARY = {
+    "neg": lambda a: -a,
+    "square": lambda a: a**2,
+    "sqrt": lambda a: sympy.sqrt(a),
+    "rsqrt": lambda a: sym.Rsqrt(a),
+    "reciprocal": lambda a: 1 / a,
+    "exp": lambda a: sympy.exp(a),
+    "log": lambda a: sympy.log(a),
+    "tanh": lambda a: sympy.tanh(a),
+    "sigmoid": lambda a: sym.Sigmoid(a),
+    "silu": lambda a: a * sym.Sigmoid(a),
+    "relu": lambda a: sympy.Max(a, 0),
+}
+_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b}
+
+
+def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) -> Spec:
+    """Specialize `spelling` to argument dtypes and kinds ('elem' | 'col') as a sympy Spec."""
+    g = spelling.canonical()
+    for n, dt in dtypes.items():
+        if dt not in SERVED:
+            raise Unsupported(f"{n} is {dt}; kernels serve {', '.join(map(str, SERVED))}")
+    val: dict[CNode, tuple] = {}  # node -> (expr, dtype or None for a python number)
+    reductions: list[Reduction] = []
+    symbols: dict[str, sympy.Symbol] = {}
+
+    def arg(a):
+        if isinstance(a, CNode):
+            return val[a]
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return (sympy.nsimplify(a) if float(a).is_integer() else sympy.Float(a), None)
+        raise Unsupported(f"argument {a!r} has no element-wise meaning")
+
+    def cast_target(t):
+        if isinstance(t, DtypeOf):
+            return dtypes[t.node.attr("name")]
+        if isinstance(t, torch.dtype):
+            return t
+        raise Unsupported(f"cast to {t!r}")
+
+    for n in g.nodes:
+        if n.op == "input":
+            name = n.attr("name")
+            s = sympy.Symbol(f"v_{name}")  # prefixed: no clash with the kernel's own names
+            symbols[f"v_{name}"] = s
+            val[n] = (s, None if n.attr("kind") == "scalar" else dtypes[name])
+            continue
+        if n.op == "cast":
+            (x, _), target = arg(n.args[0]), cast_target(n.args[1])
+            if target not in SERVED:
+                raise Unsupported(f"the pattern casts to {target}")
+            val[n] = (sym.round_to(x, LOW.get(target, "float32")), target)
+            continue
+        if n.op in ("mean", "sum"):
+            if n.attr("dims") != (-1,) or not n.attr("keepdim"):
+                raise Unsupported(f"{n.op} over dims {n.attr('dims')} keepdim={n.attr('keepdim')}: only row reductions (dim=-1, keepdim=True)")
+            x, dt = arg(n.args[0])
+            r = sympy.Symbol(f"r{len(reductions)}")
+            reductions.append(Reduction(r, x, n.op == "mean"))
+            val[n] = (sym.round_to(r, LOW.get(dt, "float32")), dt)
+            continue
+        if n.op in _UNARY:
+            x, dt = arg(n.args[0])
+            e = _UNARY[n.op](x)
+        elif n.op in _BINARY:
+            (a, da), (b, db) = arg(n.args[0]), arg(n.args[1])
+            dt = _promote(da, db)
+            e = _BINARY[n.op](a, b)
+        else:
+            raise Unsupported(f"op {n.op} has no element-wise kernel form")
+        val[n] = (sym.round_to(e, LOW.get(dt, "float32")), dt)
+
+    out, out_dt = val[g.output]
+    if out_dt is None:
+        raise Unsupported("the pattern's output is a python number")
+    if not any(k == "elem" for k in kinds.values()):
+        raise Unsupported("no argument varies per element")
+    safe = f"{spelling.pattern}__{spelling.name}".replace(".", "_")
+    scalars = [f"v_{a}" for a in spelling.arg_names if a in spelling.scalar_names]
+    tensors = [f"v_{a}" for a in spelling.tensor_names]
+    return Spec(safe, tensors, scalars, {f"v_{k}": v for k, v in kinds.items()}, {f"v_{k}": v for k, v in dtypes.items()},
+                reductions, out, out_dt, symbols)

@@ -1,0 +1,172 @@
+"""The pattern registry: `@pattern("name")` on a plain PyTorch function registers one spelling.
+
+A pattern is what a model computes, written the way models write it. Several spellings may share a
+name (Llama and Gemma spell RMSNorm differently, and round at different points); each keeps its own
+cast points, so its kernel rounds where it rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Scalar(float):
+    """Annotation for a pattern argument that is a Python number in the model (eps, a scale).
+
+    The matcher captures it from the model graph instead of burning it into the pattern, so
+    `eps=1e-5` and `eps=1e-6` both match.
+    """
+
+
+@dataclass
+class Site:
+    """What `extra_check` sees of one match: the bound arguments' shapes, dtypes and devices."""
+
+    pattern: str
+    spelling: str
+    tensors: dict[str, Any]  # name -> fake/meta tensor as dynamo recorded it
+    scalars: dict[str, float]
+
+
+@dataclass(eq=False)
+class Spelling:
+    """One PyTorch spelling of a pattern, with the conditions under which its kernel serves it."""
+
+    pattern: str
+    name: str
+    fn: Callable
+    arg_names: tuple[str, ...]
+    scalar_names: frozenset[str]
+    extra_check: Callable[[Site], str | None] | None = None
+    _canonical: Any = field(default=None, repr=False)
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.pattern}.{self.name}"
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(a for a in self.arg_names if a not in self.scalar_names)
+
+    @property
+    def source(self) -> str:
+        return inspect.getsource(self.fn)
+
+    @property
+    def key(self) -> str:
+        """A short hash of the spelling's canonical graph: names kernels and custom ops."""
+        return hashlib.sha256(self.canonical().text().encode()).hexdigest()[:10]
+
+    def canonical(self):
+        """The spelling traced with torch.fx and canonicalized, the same way model graphs are."""
+        if self._canonical is None:
+            from ..rewriter.canonicalize import canonicalize_pattern
+
+            self._canonical = canonicalize_pattern(self)
+        return self._canonical
+
+    def reference(self, *args, **kwargs):
+        """Run the spelling as plain PyTorch (the eager reference)."""
+        return self.fn(*args, **kwargs)
+
+
+class Registry:
+    """Pattern name -> its spellings, in registration order."""
+
+    def __init__(self) -> None:
+        self._patterns: dict[str, list[Spelling]] = {}
+
+    def add(self, sp: Spelling) -> Spelling:
+        spellings = self._patterns.setdefault(sp.pattern, [])
+        spellings[:] = [s for s in spellings if s.name != sp.name]  # re-registration replaces
+        spellings.append(sp)
+        return sp
+
+    def names(self) -> list[str]:
+        return list(self._patterns)
+
+    def spellings(self, names: list[str] | tuple[str, ...] | None = None) -> list[Spelling]:
+        if names is None:
+            names = self.names()
+        out = []
+        for n in names:
+            if n not in self._patterns:
+                raise KeyError(
+                    f"kernelgraft: no pattern named {n!r}; registered patterns are {self.names()}. "
+                    "Register one with @kernelgraft.pattern(name)."
+                )
+            out.extend(self._patterns[n])
+        return out
+
+    def get(self, name: str, spelling: str | None = None) -> Spelling:
+        sps = self.spellings([name])
+        if spelling is None:
+            return sps[0]
+        for s in sps:
+            if s.name == spelling:
+                return s
+        raise KeyError(f"kernelgraft: pattern {name!r} has no spelling {spelling!r}; it has {[s.name for s in sps]}")
+
+
+REGISTRY = Registry()
+
+
+def pattern(
+    name: str,
+    *,
+    spelling: str | None = None,
+    extra_check: Callable[[Site], str | None] | None = None,
+    registry: Registry | None = None,
+):
+    """Register a plain PyTorch function as a spelling of pattern `name`.
+
+    Arguments annotated `Scalar` are captured from the model graph (eps, scales); every other
+    argument is a tensor. `extra_check(site)` may return a reason string to refuse a match that
+    the kernel cannot serve (the site then keeps the stock code and the refusal is reported).
+
+    >>> import torch, kernelgraft
+    >>> from kernelgraft import Scalar
+    >>> @kernelgraft.pattern("doc_scaled_norm", registry=kernelgraft.patterns.Registry())
+    ... def doc_scaled_norm(x, eps: Scalar):
+    ...     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    >>> doc_scaled_norm.qualname
+    'doc_scaled_norm.doc_scaled_norm'
+    """
+
+    def deco(fn: Callable) -> Spelling:
+        sig = inspect.signature(fn)
+        arg_names, scalars = [], set()
+        for p in sig.parameters.values():
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                raise TypeError(
+                    f"kernelgraft.pattern({name!r}): argument {p.name!r} of {fn.__name__} must be positional; "
+                    "patterns take tensors and Scalar-annotated numbers only"
+                )
+            arg_names.append(p.name)
+            if p.annotation in (Scalar, "Scalar", float, "float"):
+                scalars.add(p.name)
+        if not set(arg_names) - scalars:
+            raise TypeError(f"kernelgraft.pattern({name!r}): {fn.__name__} takes no tensor argument")
+        sp = Spelling(name, spelling or fn.__name__, fn, tuple(arg_names), frozenset(scalars), extra_check)
+        sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
+        (registry or REGISTRY).add(sp)
+        return sp
+
+    return deco
+
+
+def dtype_check(site: Site, allowed=(torch.float32, torch.bfloat16, torch.float16)) -> str | None:
+    """The common extra_check: floating tensors the kernels compute in, on one device."""
+    devices = {t.device.type for t in site.tensors.values()}
+    if len(devices) > 1:
+        return f"arguments on several devices {sorted(devices)}"
+    for n, t in site.tensors.items():
+        if t.dtype not in allowed:
+            return f"{n} is {t.dtype}; kernels serve {', '.join(str(a) for a in allowed)}"
+    return None

@@ -1,0 +1,284 @@
+"""Step 1 of 4: canonicalize. An fx graph (a dynamo capture, or a traced pattern) -> a small DAG of
+canonical ops, so that every spelling of the same math reads the same to the matcher.
+
+The model's fx graph itself is never changed here: canonical nodes point back at the fx nodes they
+cover, and only `replace` edits the graph. Rewrites that would change rounding for code that is not
+replaced therefore cost nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..ir import CGraph, CNode, DtypeOf
+
+# canonical op -> the fx targets (functions) and method names that spell it
+SPELLINGS: dict[str, tuple] = {
+    "add": (operator.add, torch.add, "add", "__add__", "__radd__"),
+    "sub": (operator.sub, torch.sub, "sub", "__sub__"),
+    "mul": (operator.mul, torch.mul, "mul", "__mul__", "__rmul__"),
+    "div": (operator.truediv, torch.div, torch.true_divide, "div", "true_divide", "__truediv__"),
+    "neg": (operator.neg, torch.neg, "neg", "__neg__"),
+    "pow": (operator.pow, torch.pow, "pow", "__pow__"),
+    "square": (torch.square, "square"),
+    "sqrt": (torch.sqrt, "sqrt"),
+    "rsqrt": (torch.rsqrt, "rsqrt"),
+    "reciprocal": (torch.reciprocal, "reciprocal"),
+    "exp": (torch.exp, "exp"),
+    "log": (torch.log, "log"),
+    "tanh": (torch.tanh, F.tanh, "tanh"),
+    "sigmoid": (torch.sigmoid, F.sigmoid, "sigmoid"),
+    "silu": (F.silu,),
+    "relu": (torch.relu, F.relu, "relu"),
+    "mean": (torch.mean, "mean"),
+    "sum": (torch.sum, "sum"),
+}
+COMMUTATIVE = frozenset({"add", "mul"})
+REDUCTIONS = frozenset({"mean", "sum"})
+UNARY = frozenset({"neg", "square", "sqrt", "rsqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "silu", "relu"})
+BINARY = frozenset({"add", "sub", "mul", "div", "pow"})
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_TRANSPARENT_METHODS = frozenset({"contiguous"})
+
+_BY_TARGET: dict[Any, str] = {}
+for _op, _targets in SPELLINGS.items():
+    for _t in _targets:
+        _BY_TARGET[_t] = _op
+
+
+def _dtype_arg(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.dtype):
+            return a
+    if "dtype" in kwargs:
+        return kwargs["dtype"]
+    return None
+
+
+def _as_dims(dim, rank):
+    if dim is None:
+        return None
+    dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    if rank is None:
+        return tuple(sorted(dims))
+    return tuple(sorted(d - rank if d >= 0 else d for d in dims))
+
+
+def _rank(node: CNode | Any):
+    m = node.meta if isinstance(node, CNode) else None
+    return m.dim() if m is not None else None
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes: list[CNode] = []
+        self.of_fx: dict = {}
+
+    def arg(self, a):
+        if isinstance(a, torch.fx.Node):
+            return self.of_fx[a]
+        if isinstance(a, (list, tuple)):
+            return tuple(self.arg(x) for x in a)
+        return a
+
+    def new(self, op, args=(), attrs=(), fx=None) -> CNode:
+        n = CNode(op, tuple(args), tuple(attrs), fx, [fx] if fx is not None else [], name=fx.name if fx is not None else op)
+        self.nodes.append(n)
+        return n
+
+    def alias(self, fx_node, target: CNode) -> CNode:
+        """fx_node computes the same value as target (a no-op for the math): map it there."""
+        target.cover.append(fx_node)
+        self.of_fx[fx_node] = target
+        return target
+
+
+def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
+    """One fx node -> one canonical node (before the rewrite rules run)."""
+    if n.op == "placeholder":
+        return b.new("input", attrs=(("name", n.target),), fx=n)
+    if n.op not in ("call_function", "call_method"):
+        return b.new(f"opaque:{n.op}:{n.target}", fx=n)
+    target, args, kwargs = n.target, [b.arg(a) for a in n.args], {k: b.arg(v) for k, v in n.kwargs.items()}
+    if target is getattr and len(args) == 2 and args[1] == "dtype":  # x.dtype in a traced pattern
+        return b.new("dtype_of", (args[0],), fx=n)
+    if n.op == "call_method" and target in _TRANSPARENT_METHODS:
+        return b.alias(n, args[0])
+    if n.op == "call_method" and target in _CAST_METHODS and not kwargs and len(args) == 1:
+        return b.new("cast", (args[0], _CAST_METHODS[target]), fx=n)
+    if n.op == "call_method" and target in ("to", "type"):
+        dt = _dtype_arg(args[1:], kwargs)
+        if dt is None:
+            cand = args[1] if len(args) >= 2 else kwargs.get("dtype")
+            if isinstance(cand, CNode):  # x.to(y.dtype) in a pattern, x.to(other_tensor) anywhere
+                dt = DtypeOf(cand.args[0]) if cand.op == "dtype_of" else DtypeOf(cand)
+        if dt is None:  # a device move: transparent when it stays on the device
+            src, dst = args[0].meta if isinstance(args[0], CNode) else None, n.meta.get("example_value")
+            if src is None or dst is None or src.device == dst.device:
+                return b.alias(n, args[0])
+            return b.new("opaque:to_device", tuple(args), fx=n)
+        return b.new("cast", (args[0], dt), fx=n)
+    if n.op == "call_method" and target == "type_as":
+        return b.new("cast", (args[0], DtypeOf(args[1])), fx=n)
+    op = _BY_TARGET.get(target)
+    if op is None:
+        name = getattr(target, "__name__", str(target))
+        return b.new(f"opaque:{name}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    if op in REDUCTIONS:
+        x = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        if kwargs.get("dtype") is not None or dim is None:
+            return b.new(f"opaque:{op}", tuple(args), fx=n)
+        return b.new(op, (x,), (("dims", _as_dims(dim, _rank(x))), ("keepdim", bool(keep))), fx=n)
+    if op == "add" or op == "sub":
+        if kwargs.get("alpha", 1) != 1:
+            return b.new(f"opaque:{op}_alpha", tuple(args), fx=n)
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        return b.new(op, (args[0], other), fx=n)
+    if op == "div" and kwargs.get("rounding_mode") is not None:
+        return b.new("opaque:div_rounding", tuple(args), fx=n)
+    if op in BINARY:
+        other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("exponent"))
+        return b.new(op, (args[0], other), fx=n)
+    if op in UNARY and len(args) == 1 and not (set(kwargs) - {"inplace"}) and not kwargs.get("inplace"):
+        return b.new(op, (args[0],), fx=n)
+    return b.new(f"opaque:{op}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+
+
+# ---- rewrite rules: canonical node -> an equivalent canonical spelling, or None ----------------
+# Each rule is one line: when it fires, the node's op and args are replaced in place.
+
+
+def _is(a, op):
+    return isinstance(a, CNode) and a.op == op
+
+
+def _num(a, *values):
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and a in values
+
+
+RULES: list[tuple[str, Any]] = [
+    ("mul", lambda a, b: ("square", (a,)) if a is b else None),  # x*x -> x^2
+    ("pow", lambda a, e: ("square", (a,)) if _num(e, 2) else None),  # x.pow(2) -> x^2
+    ("pow", lambda a, e: ("sqrt", (a,)) if _num(e, 0.5) else None),  # x^0.5 -> sqrt
+    ("pow", lambda a, e: ("rsqrt", (a,)) if _num(e, -0.5) else None),  # x^-0.5 -> rsqrt
+    ("pow", lambda a, e: ("reciprocal", (a,)) if _num(e, -1) else None),  # x^-1 -> 1/x
+    ("div", lambda a, b: ("reciprocal", (b,)) if _num(a, 1) else None),  # 1/x -> reciprocal
+    ("reciprocal", lambda a: ("rsqrt", a.args) if _is(a, "sqrt") else None),  # 1/sqrt(x) -> rsqrt
+    ("div", lambda a, b: ("mul", (a, _fresh("rsqrt", b.args, b))) if _is(b, "sqrt") else None),  # a/sqrt(v) -> a*rsqrt(v)
+]
+_pending: list[CNode] = []
+
+
+def _fresh(op, args, covering: CNode) -> CNode:
+    """A canonical node created by a rule, standing for the fx node(s) of `covering`."""
+    n = CNode(op, tuple(args), (), covering.fx, list(covering.cover), name=f"{covering.name}_{op}")
+    _pending.append(n)
+    return n
+
+
+def _apply_rules(b: _Builder, n: CNode) -> None:
+    changed = True
+    while changed:
+        changed = False
+        for op, rule in RULES:
+            if n.op != op:
+                continue
+            out = rule(*n.args)
+            if out is not None:
+                n.op, n.args = out
+                for p in _pending:  # nodes a rule created go before the node that uses them
+                    b.nodes.insert(b.nodes.index(n), p)
+                _pending.clear()
+                changed = True
+                break
+
+
+def _finish(b: _Builder, output) -> CGraph:
+    live = b.nodes
+    for n in live:
+        n.users = []
+    for n in live:
+        for i in n.inputs():
+            if n not in i.users:
+                i.users.append(n)
+    inputs = [n for n in live if n.op == "input"]
+    return CGraph(live, inputs, output, b.of_fx)
+
+
+def canonicalize(graph: torch.fx.Graph) -> CGraph:
+    """Canonicalize a model graph (dynamo's torch-IR, with example values in node.meta)."""
+    b = _Builder()
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if n in b.of_fx:
+            continue
+        c = _lower_fx_node(b, n)
+        b.of_fx.setdefault(n, c)
+        _apply_rules(b, c)
+        _fold_dtypes(c)
+    return _finish(b, None)
+
+
+def _fold_dtypes(c: CNode) -> None:
+    """In a model graph dtypes are known: `type_as(y)` / `.to(y)` become a literal dtype."""
+    if c.op == "cast" and isinstance(c.args[1], DtypeOf) and c.args[1].node.meta is not None:
+        c.args = (c.args[0], c.args[1].node.meta.dtype)
+
+
+def canonicalize_pattern(spelling) -> CGraph:
+    """Trace a pattern spelling with torch.fx and canonicalize it like a model graph."""
+    try:
+        gm = torch.fx.symbolic_trace(spelling.fn)
+    except Exception as e:  # noqa: BLE001 - re-raised with what to do
+        raise TypeError(
+            f"kernelgraft.pattern({spelling.pattern!r}): could not trace {spelling.fn.__name__} with torch.fx "
+            f"({e}). Write the pattern as straight-line PyTorch on its arguments."
+        ) from e
+    b = _Builder()
+    out = None
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            res = n.args[0]
+            if not isinstance(res, torch.fx.Node):
+                raise TypeError(f"kernelgraft.pattern({spelling.pattern!r}): the pattern must return one tensor")
+            out = b.of_fx[res]
+            continue
+        c = _lower_fx_node(b, n)
+        if n.op == "placeholder":
+            kind = "scalar" if n.target in spelling.scalar_names else "tensor"
+            c.attrs = (("name", n.target), ("kind", kind))
+        b.of_fx.setdefault(n, c)
+        _apply_rules(b, c)
+    for n in b.nodes:
+        if n.op == "cast" and isinstance(n.args[1], CNode) and n.args[1].op == "dtype_of":
+            n.args = (n.args[0], DtypeOf(n.args[1].args[0]))
+        if n.op in REDUCTIONS and any(d >= 0 for d in n.attr("dims")):
+            raise TypeError(
+                f"kernelgraft.pattern({spelling.pattern!r}): reduce over negative dims (dim=-1), "
+                f"not {n.attr('dims')}: a pattern does not know the rank of the tensors it will meet"
+            )
+    b.nodes = [n for n in b.nodes if n.op != "dtype_of"]
+    g = _finish(b, out)
+    _prune_to_output(g)
+    return g
+
+
+def _prune_to_output(g: CGraph) -> None:
+    keep, stack = set(), [g.output]
+    while stack:
+        n = stack.pop()
+        if n in keep:
+            continue
+        keep.add(n)
+        stack.extend(n.inputs())
+    keep |= set(g.inputs)
+    g.nodes = [n for n in g.nodes if n in keep]
+    for n in g.nodes:
+        n.users = [u for u in n.users if u in keep]

@@ -1,0 +1,204 @@
+"""Step 2 of 4: match. Each spelling's canonical graph against the model's canonical graph.
+
+Commutative ops (add, mul) match in either operand order; `Scalar` arguments bind to the number the
+model graph holds (so eps is captured, never burned in); dtype casts must agree, `x.dtype` in the
+pattern binding to the dtype dynamo recorded for the tensor matched as `x`. A failed attempt keeps the
+point where it got furthest: that is what a near-miss reports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ir import CGraph, CNode, DtypeOf
+from .canonicalize import COMMUTATIVE
+
+
+@dataclass
+class _State:
+    pmap: dict  # pattern CNode -> model CNode
+    tensors: dict  # pattern arg name -> model CNode
+    scalars: dict  # pattern arg name -> number
+    dtypes: tuple = ()  # deferred (pattern arg name, dtype) checks
+
+    def bind(self, **kw) -> _State:
+        st = _State(dict(self.pmap), dict(self.tensors), dict(self.scalars), self.dtypes)
+        for k, v in kw.items():
+            if k == "node":
+                st.pmap[v[0]] = v[1]
+            elif k == "tensor":
+                st.tensors[v[0]] = v[1]
+            elif k == "scalar":
+                st.scalars[v[0]] = v[1]
+            elif k == "dtype":
+                st.dtypes = st.dtypes + (v,)
+        return st
+
+
+@dataclass
+class Failure:
+    """The furthest a failed attempt got: `matched` pattern ops, then `pnode` met `mnode`."""
+
+    matched: int = -1
+    pnode: object = None
+    mnode: object = None
+    reason: str = ""
+
+
+@dataclass
+class Match:
+    spelling: object
+    pmap: dict
+    tensors: dict
+    scalars: dict
+    output: CNode
+    covered: set = field(default_factory=set)  # fx nodes the replacement removes
+
+
+def _is_number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+def describe(a) -> str:
+    """A short human name for a canonical node or literal, as reports print it."""
+    if isinstance(a, CNode):
+        if a.op == "input":
+            return f"`{a.attr('name')}`"
+        args = ", ".join(describe_arg(x) for x in a.args)
+        extra = "".join(f", {k}={v}" for k, v in a.attrs if k != "name")
+        src = f" (`{a.fx.name}`)" if a.fx is not None and a.fx.op != "placeholder" else ""
+        return f"{a.op}({args}{extra}){src}"
+    return describe_arg(a)
+
+
+def describe_arg(a) -> str:
+    if isinstance(a, CNode):
+        return a.attr("name") if a.op == "input" else (a.fx.name if a.fx is not None else a.op)
+    if isinstance(a, DtypeOf):
+        return f"{describe_arg(a.node)}.dtype"
+    return repr(a)
+
+
+class Matcher:
+    def __init__(self, spelling, pattern: CGraph):
+        self.sp = spelling
+        self.pg = pattern
+        self.n_ops = sum(1 for n in pattern.nodes if n.op != "input")
+        self.best = Failure()
+
+    def _fail(self, st: _State, p, m, reason: str) -> None:
+        if len(st.pmap) > self.best.matched:
+            self.best = Failure(len(st.pmap), p, m, reason)
+
+    def unify(self, p, m, st: _State) -> Iterator[_State]:
+        if isinstance(p, CNode) and p.op == "input":
+            name = p.attr("name")
+            if p.attr("kind") == "scalar":
+                if not _is_number(m):
+                    self._fail(st, p, m, f"`{name}` is a Scalar in the pattern but the model has {describe(m)}")
+                elif name in st.scalars and st.scalars[name] != m:
+                    self._fail(st, p, m, f"`{name}` is {st.scalars[name]} in one place and {m} in another")
+                else:
+                    yield st.bind(scalar=(name, m))
+                return
+            if not isinstance(m, CNode):
+                self._fail(st, p, m, f"`{name}` is a tensor in the pattern but the model has the constant {m!r}")
+            elif name in st.tensors and st.tensors[name] is not m:
+                self._fail(st, p, m, f"`{name}` must be one tensor, but the model uses {describe(st.tensors[name])} and {describe(m)}")
+            else:
+                yield st.bind(tensor=(name, m))
+            return
+        if isinstance(p, DtypeOf):
+            if isinstance(m, torch.dtype):
+                yield st.bind(dtype=(p.node.attr("name"), m))
+            else:
+                self._fail(st, p, m, f"expected the dtype of `{p.node.attr('name')}`, got {describe(m)}")
+            return
+        if not isinstance(p, CNode):
+            if isinstance(p, tuple) and isinstance(m, tuple) and len(p) == len(m):
+                yield from self.unify_seq(p, m, st)
+            elif (_is_number(p) and _is_number(m) and p == m) or (not _is_number(p) and p == m):
+                yield st
+            else:
+                self._fail(st, p, m, f"expected {describe_arg(p)}, got {describe(m)}")
+            return
+        if not isinstance(m, CNode) or m.op != p.op or m.attrs != p.attrs:
+            self._fail(st, p, m, f"expected {describe(p)}, got {describe(m)}")
+            return
+        if p in st.pmap:
+            if st.pmap[p] is m:
+                yield st
+            else:
+                self._fail(st, p, m, f"the pattern reuses one value here, the model computes it twice ({describe(m)})")
+            return
+        if any(v is m for v in st.pmap.values()):
+            self._fail(st, p, m, f"two pattern ops would be the same model node {describe(m)}")
+            return
+        st = st.bind(node=(p, m))
+        orders = [m.args]
+        if p.op in COMMUTATIVE and len(m.args) == 2:
+            orders.append(m.args[::-1])
+        for margs in orders:
+            if len(margs) == len(p.args):
+                yield from self.unify_seq(p.args, margs, st)
+
+    def unify_seq(self, ps, ms, st: _State) -> Iterator[_State]:
+        if not ps:
+            yield st
+            return
+        for st1 in self.unify(ps[0], ms[0], st):
+            yield from self.unify_seq(ps[1:], ms[1:], st1)
+
+    def attempt(self, anchor: CNode, taken: set) -> Match | Failure:
+        """Match the pattern with its output at `anchor`; the first consistent binding wins."""
+        self.best = Failure()
+        for st in self.unify(self.pg.output, anchor, _State({}, {}, {})):
+            why = self._check(st, anchor, taken)
+            if why is None:
+                covered = set()
+                for mn in st.pmap.values():
+                    covered.update(mn.cover)
+                return Match(self.sp, st.pmap, st.tensors, st.scalars, anchor, covered)
+            self._fail(st, None, anchor, why)
+        return self.best
+
+    def _check(self, st: _State, anchor: CNode, taken: set) -> str | None:
+        for name, dt in st.dtypes:
+            meta = st.tensors[name].meta
+            if meta is None or meta.dtype != dt:
+                got = "unknown" if meta is None else meta.dtype
+                return f"the pattern casts to the dtype of `{name}` ({got}) but the model casts to {dt}"
+        covered = set()
+        for mn in st.pmap.values():
+            covered.update(mn.cover)
+        if covered & taken:
+            return "overlaps a site already replaced"
+        for mn in st.pmap.values():
+            if mn is anchor:
+                continue
+            for fxn in mn.cover:
+                outside = [u for u in fxn.users if u not in covered]
+                if outside:
+                    return (
+                        f"intermediate `{fxn.name}` is also used by `{outside[0].name}` outside the pattern; "
+                        "replacing the site would compute it twice"
+                    )
+        return None
+
+
+_PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
+
+
+def module_path(fx_node) -> str:
+    """'model.layers.0.input_layernorm' for a node dynamo traced inside that module."""
+    stack = fx_node.meta.get("nn_module_stack") if fx_node is not None else None
+    if not stack:
+        return "<top>"
+    path = list(stack.values())[-1][0]
+    path = _PREFIX.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
+    return path.strip(".") or "<top>"

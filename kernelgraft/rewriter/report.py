@@ -1,0 +1,88 @@
+"""RewriteReport: what each capture replaced, what fell back and why, and what nearly matched."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SiteRecord:
+    pattern: str
+    spelling: str
+    module: str  # module path, e.g. model.layers.0.input_layernorm
+    shapes: dict  # argument name -> shape tuple
+    dtypes: dict  # argument name -> dtype name
+    scalars: dict  # captured Scalar arguments, e.g. {'eps': 1e-06}
+    replaced: bool = True
+    reason: str = ""  # why it fell back, when it did
+    graph: int = 0
+
+    def row(self) -> list[str]:
+        shapes = ", ".join(f"{k}{list(v)}" for k, v in self.shapes.items())
+        dtypes = ",".join(sorted(set(self.dtypes.values())))
+        scal = ", ".join(f"{k}={v:g}" for k, v in self.scalars.items())
+        status = "replaced" if self.replaced else f"fell back: {self.reason}"
+        return [f"{self.pattern}.{self.spelling}", self.module, shapes, dtypes, scal, status]
+
+
+@dataclass
+class NearMiss:
+    pattern: str
+    spelling: str
+    module: str
+    matched: int  # pattern ops that matched before the first difference
+    total: int
+    expected: str  # the pattern node where it differed
+    found: str  # the model node there
+    reason: str
+    graph: int = 0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.module}: resembled {self.pattern}.{self.spelling} ({self.matched}/{self.total} ops matched); "
+            f"first difference: {self.reason}"
+        )
+
+
+@dataclass
+class RewriteReport:
+    """Per capture: `.sites` (replaced), `.fallbacks`, `.near_misses`, `.counts()`; `str()` is a table."""
+
+    sites: list[SiteRecord] = field(default_factory=list)
+    fallbacks: list[SiteRecord] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+    graphs: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """Pattern name -> number of sites replaced."""
+        return dict(Counter(s.pattern for s in self.sites))
+
+    def extend(self, other: RewriteReport) -> None:
+        off = self.graphs
+        for s in other.sites + other.fallbacks + other.near_misses:
+            s.graph += off
+        self.sites += other.sites
+        self.fallbacks += other.fallbacks
+        self.near_misses += other.near_misses
+        self.graphs += other.graphs
+
+    def __str__(self) -> str:
+        head = ["pattern", "module", "shapes", "dtypes", "scalars", "status"]
+        rows = [s.row() for s in self.sites + self.fallbacks]
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items())) or "none"
+        out = [f"kernelgraft: {len(self.sites)} site(s) replaced in {self.graphs} graph(s) ({counts})"]
+        if rows:
+            out.append(_table(head, rows))
+        if self.near_misses:
+            out.append(f"near misses ({len(self.near_misses)}):")
+            out += [f"  - {m}" for m in self.near_misses]
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

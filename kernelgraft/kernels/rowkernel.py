@@ -101,15 +101,18 @@ def _config(M: int, N: int, device: torch.device) -> dict:
         BM = max(1, min(16, 4096 // BN))
         warps = 4 if BN <= 2048 else (8 if BN <= 8192 else 16)
         return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=warps)
-    # interpreter: numpy does the work per program; few, large programs are fastest
-    BM = max(1, min(triton.next_power_of_2(max(M, 1)), 32768 // BN))
+    # interpreter: numpy does the work per program, so blocks are large; but numpy sums a column of a
+    # block one row after another, so 32 rows at most keep per-column gradients as accurate as torch's
+    BM = max(1, min(triton.next_power_of_2(max(M, 1)), 32768 // BN, 32))
     return dict(BLOCK_M=BM, BLOCK_N=BN)
 
 
 def _programs(n_blocks: int, device: torch.device) -> int:
+    """Backward programs. Each writes one partial row of every per-column gradient; torch adds the
+    partial rows (a tree sum), so more programs also means shorter sequential sums."""
     if device.type == "cuda":
         return max(1, min(n_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(n_blocks, 4))
+    return max(1, min(n_blocks, 4096))
 
 
 def _flat(t: torch.Tensor, lay: Layout, kind: str) -> torch.Tensor:

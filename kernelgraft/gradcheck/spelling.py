@@ -1,0 +1,48 @@
+"""Check one pattern spelling's generated kernel against its own PyTorch spelling."""
+
+from __future__ import annotations
+
+import torch
+
+from .references import run_with_grads
+from .rule import Verdict, judge
+
+
+def check_spelling(spelling, args: tuple, *, grad_out: torch.Tensor | None = None, compile_ref: bool = True,
+                   seed: int = 0) -> list[Verdict]:
+    """Output and every gradient of the kernel vs float64 truth, next to eager and torch.compile of
+    the spelling in the working dtype. Returns one Verdict per compared quantity.
+
+    >>> import torch, kernelgraft
+    >>> from kernelgraft.gradcheck import check_spelling
+    >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
+    >>> x, w = torch.randn(4, 33, requires_grad=True), torch.randn(33, requires_grad=True)
+    >>> all(v.ok for v in check_spelling(sp, (x, w, 1e-6), compile_ref=False))
+    True
+    """
+    from ..kernels import op_for
+
+    op = op_for(spelling)
+    ref = spelling.fn
+    truth, tgrads = run_with_grads(ref, args, _grad(ref, args, grad_out, seed), truth=True)
+    g = _grad(ref, args, grad_out, seed)
+    kg, kgrads = run_with_grads(op, args, g)
+    eager, egrads = run_with_grads(ref, args, g)
+    comp, cgrads = (None, [None] * len(egrads))
+    if compile_ref:
+        comp, cgrads = run_with_grads(torch.compile(ref, backend="inductor", fullgraph=True, dynamic=False), args, g)
+    names = [n for n, a in zip(spelling.arg_names, args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    out = [judge("out", truth, kg, eager, comp)]
+    for n, t, k, e, c in zip(names, tgrads, kgrads, egrads, cgrads):
+        if t is not None:
+            out.append(judge(f"grad {n}", t, k, e, c))
+    return out
+
+
+def _grad(ref, args, grad_out, seed):
+    if grad_out is not None:
+        return grad_out
+    with torch.no_grad():
+        y = ref(*args)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(y.shape, generator=gen, dtype=torch.float32).to(device=y.device, dtype=y.dtype)

@@ -1,0 +1,67 @@
+"""Tiny random Hugging Face decoders (nothing downloaded) and the model-level comparison."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kernelgraft.gradcheck import Float64Everywhere, judge
+
+VOCAB = 128
+
+
+def tiny_config(arch: str, layers: int = 2):
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, head_dim=16, max_position_embeddings=128)
+    if arch in ("gemma2", "gemma3_text"):
+        kw.update(sliding_window=8, query_pre_attn_scalar=16)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def tiny_model(arch: str, dtype=torch.float32, seed: int = 0, layers: int = 2, device="cpu"):
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, layers)
+    cfg._attn_implementation = "sdpa" if arch not in ("gemma2",) else "eager"
+    m = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # Gemma initializes norm weights to 0 (it uses 1 + w): perturb every norm
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m.to(device=device, dtype=dtype)
+
+
+def batch(seed: int = 1, B: int = 2, S: int = 12, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g).to(device)
+    return dict(input_ids=ids, labels=ids)
+
+
+def loss_and_grads(model, b, truth: bool = False):
+    model.zero_grad(set_to_none=True)
+    if truth:
+        with Float64Everywhere():
+            loss = model(**b).loss
+    else:
+        loss = model(**b).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare_models(optimized, stock, b, compiled=True):
+    """Verdicts for the loss and every parameter gradient of `optimized` vs float64 truth, beside the
+    stock model's eager and torch.compile (inductor) runs in the same dtype: the DESIGN.md rule."""
+    truth_model = copy.deepcopy(stock).to(torch.float64)
+    tl, tg = loss_and_grads(truth_model, b, truth=True)
+    el, eg = loss_and_grads(stock, b)
+    cl, cg = None, {}
+    if compiled:
+        comp = copy.deepcopy(stock)
+        comp.compile(backend="inductor")
+        cl, cg = loss_and_grads(comp, b)
+    kl, kg = loss_and_grads(optimized, b)
+    verdicts = [judge("loss", tl, kl, el, cl)]
+    assert set(kg) == set(eg) == set(tg), "the optimized model must produce a gradient for every parameter"
+    verdicts += [judge(f"grad {n}", tg[n], kg[n], eg[n], cg.get(n)) for n in tg]
+    return verdicts

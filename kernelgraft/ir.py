@@ -67,6 +67,9 @@ class CGraph:
                 return f"dtype(%{ids[a.node]})"
             return repr(a)
 
-        lines = [f"%{ids[n]} = {n.op}({', '.join(fmt(a) for a in n.args)}){dict(n.attrs) or ''}" for n in self.nodes]
+        lines = [
+            f"%{ids[n]} = {n.op}({', '.join(fmt(a) for a in n.args)}){dict(n.attrs) or ''}"
+            for n in self.nodes
+        ]
         lines.append(f"return %{ids[self.output]}" if self.output is not None else "return")
         return "\n".join(lines)

@@ -8,7 +8,9 @@ try:
     from hypothesis import HealthCheck, settings
 
     settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-    settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    settings.register_profile(
+        "thorough", max_examples=200, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass

@@ -28,7 +28,9 @@ def rel_error(candidate: torch.Tensor | None, truth: torch.Tensor | None) -> flo
     if c.shape != t.shape:
         return math.inf
     finite = torch.isfinite(t)
-    if not torch.equal(torch.isfinite(c), finite) or not torch.equal(c[~finite].nan_to_num(), t[~finite].nan_to_num()):
+    if not torch.equal(torch.isfinite(c), finite) or not torch.equal(
+        c[~finite].nan_to_num(), t[~finite].nan_to_num()
+    ):
         return math.inf
     diff = (c[finite] - t[finite]).norm().item()
     norm = t[finite].norm().item()

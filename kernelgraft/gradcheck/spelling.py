@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from .._dynamo import room_for_recompiles
 from .references import run_with_grads
 from .rule import Verdict, judge
 
 
-def check_spelling(spelling, args: tuple, *, grad_out: torch.Tensor | None = None, compile_ref: bool = True,
-                   seed: int = 0) -> list[Verdict]:
+def check_spelling(
+    spelling, args: tuple, *, grad_out: torch.Tensor | None = None, compile_ref: bool = True, seed: int = 0
+) -> list[Verdict]:
     """Output and every gradient of the kernel vs float64 truth, next to eager and torch.compile of
     the spelling in the working dtype. Returns one Verdict per compared quantity.
 
@@ -30,8 +32,13 @@ def check_spelling(spelling, args: tuple, *, grad_out: torch.Tensor | None = Non
     eager, egrads = run_with_grads(ref, args, g)
     comp, cgrads = (None, [None] * len(egrads))
     if compile_ref:
-        comp, cgrads = run_with_grads(torch.compile(ref, backend="inductor", fullgraph=True, dynamic=False), args, g)
-    names = [n for n, a in zip(spelling.arg_names, args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        with room_for_recompiles():
+            comp, cgrads = run_with_grads(
+                torch.compile(ref, backend="inductor", fullgraph=True, dynamic=False), args, g
+            )
+    names = [
+        n for n, a in zip(spelling.arg_names, args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+    ]
     out = [judge("out", truth, kg, eager, comp)]
     for n, t, k, e, c in zip(names, tgrads, kgrads, egrads, cgrads):
         if t is not None:

@@ -42,7 +42,9 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     names = sp.tensor_names
     kinds = {n: ("elem" if i == 0 else "col") for i, n in enumerate(names)}
     k = row_kernel(sp, {n: dtype for n in names}, kinds)
-    return KernelSource(sp.pattern, sp.name, forward_source(k.spec), backward_source(k.spec, k.backward), str(k.path))
+    return KernelSource(
+        sp.pattern, sp.name, forward_source(k.spec), backward_source(k.spec, k.backward), str(k.path)
+    )
 
 
 __all__ = ["KernelSource", "Unsupported", "cache_dir", "op_for", "row_kernel", "source"]

@@ -1,12 +1,14 @@
-"""The backward, derived: reverse-mode over one row, sympy.diff for the pointwise parts and two hand
-rules for the reductions, written next to each other:
+"""The backward, derived: reverse mode over the spelling's values, each local derivative from
+sympy.diff, and the adjoints of reductions and broadcasts written next to the forward they invert:
 
-    y_j = f(x_j, w_j, r_0..r_K)          r_k = c_k * sum_j s_k(x_j, w_j, r_0..r_{k-1}),  c_k = 1/N (mean) or 1
-    A_k = dL/dr_k = sum_j [ g_j * df/dr_k + sum_{m>k} A_m * c_m * ds_m/dr_k ]     (adjoint of a sum: a sum)
-    dL/dx_j = g_j * df/dx_j + sum_k A_k * c_k * ds_k/dx_j                         (adjoint of a sum: broadcast)
-    dL/dw_j = sum over rows of the same expression for w                         (per-column parameter: column sum)
+    r = c * sum_j s_j   (c = 1/N for mean)      ->  ds_j += c * dr           (adjoint of a sum: broadcast)
+    z_j = f(a, ...), a one value per row        ->  da  = sum_j dz_j df/da   (adjoint of a broadcast: sum)
+    z_j = f(w_j, ...), w one value per column   ->  dw_j = sum over rows     (column sum, in the launcher)
 
-Forward intermediates are recomputed from the saved inputs and row statistics r_k, not stored.
+It rounds where autograd rounds: the gradient of a value held in bf16/fp16 is itself held in that
+dtype (each op's backward computes in its output dtype, and `.to()` casts the gradient back), so the
+kernel's gradients follow the stock model's rounding path, computed in float32 everywhere else.
+Forward values are recomputed from the saved inputs and row statistics r_k, not stored.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from .spec import Spec
-from .sym import stabilize
+from .spec import LOW, Spec
+from .sym import round_to, stabilize
 
 
 @dataclass
@@ -26,25 +28,60 @@ class Backward:
     grads: dict[str, sympy.Expr]  # tensor name -> per-element gradient (column-summed for 'col' kinds)
 
 
+def _round(e, dt):
+    return round_to(e, LOW.get(dt, "float32")) if dt is not None else e
+
+
+def _local_derivatives(n) -> list:
+    """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1)."""
+    if n.reduce is not None:
+        return [None]  # handled as the adjoint of a sum
+    us = [sympy.Dummy(f"u{i}") for i in range(len(n.inputs))]
+    f = n.local(*us)
+    subs = {u: i.value for u, i in zip(us, n.inputs)}
+    return [sympy.diff(f, u).subs(subs) for u in us]
+
+
 def derive(spec: Spec) -> Backward:
     g = sympy.Symbol("g")
-    f = spec.output
-    A = {}
-    for k in reversed(range(len(spec.reductions))):
-        r = spec.reductions[k].symbol
-        summand = g * sympy.diff(f, r)
-        for m in range(k + 1, len(spec.reductions)):
-            red = spec.reductions[m]
-            c = 1 / spec.N if red.mean else 1
-            summand += A[m] * c * sympy.diff(red.summand, r)
-        A[k] = (sympy.Symbol(f"A{k}"), stabilize(summand))
-    grads = {}
+    contrib: dict = {id(spec.nodes[-1]): [(g, "elem")]}
+    adjoints: list = []
+    grads: dict = {}
+    n_adj = 0
+    for n in reversed(spec.nodes):
+        parts = contrib.pop(id(n), None)
+        if not parts or n.level == "scalar":
+            continue
+        if n.level == "row":  # contributions from per-element users are summed along the row
+            elem = [p for p, lvl in parts if lvl == "elem"]
+            rest = [p for p, lvl in parts if lvl != "elem"]
+            total = sympy.Add(*rest)
+            if elem:
+                A = sympy.Symbol(f"A{n_adj}")
+                n_adj += 1
+                adjoints.append((A, stabilize(sympy.Add(*elem))))
+                total += A
+            G = _round(total, n.dtype)
+        elif n is spec.nodes[-1]:
+            G = g
+        else:
+            total = sympy.Add(*(p for p, _ in parts))
+            G = total if n.level == "col" else _round(total, n.dtype)  # col: rounded after the column sum
+        if not n.inputs:  # a tensor argument
+            grads[f"v_{n.name}"] = stabilize(G)
+            continue
+        if n.reduce is not None:
+            (s,) = n.inputs
+            c = G / spec.N if n.reduce == "mean" else G
+            contrib.setdefault(id(s), []).append((_round(c, n.dtype), "row"))
+            continue
+        for inp, d in zip(n.inputs, _local_derivatives(n)):
+            if inp.level == "scalar" or d == 0:
+                continue
+            c = G * d
+            if n.level != "col":
+                c = _round(c, n.dtype)
+            contrib.setdefault(id(inp), []).append((c, n.level))
     for name in spec.tensors:
-        x = spec.symbols[name]
-        e = g * sympy.diff(f, x)
-        for k, red in enumerate(spec.reductions):
-            c = 1 / spec.N if red.mean else 1
-            e += A[k][0] * c * sympy.diff(red.summand, x)
-        grads[name] = stabilize(e)
-    adj = [A[k] for k in reversed(range(len(spec.reductions)))]
-    return Backward(g, adj, grads)
+        grads.setdefault(name, sympy.S.Zero)
+    return Backward(g, adjoints, grads)

@@ -61,15 +61,19 @@ def op_for(spelling) -> GraftedOp:
     def bwd_fake(grad, *rest):
         *args, stats, needs = rest
         return [
-            torch.empty_like(args[i]) if need else args[i].new_empty(0)
-            for i, need in zip(tensor_idx, needs)
+            torch.empty_like(args[i]) if need else args[i].new_empty(0) for i, need in zip(tensor_idx, needs)
         ]
 
     lib = f"kernelgraft::{name}"
-    fwd = torch.library.custom_op(lib, fwd_impl, mutates_args=(), schema=f"({_schema_args(sp)}) -> (Tensor, Tensor)")
+    fwd = torch.library.custom_op(
+        lib, fwd_impl, mutates_args=(), schema=f"({_schema_args(sp)}) -> (Tensor, Tensor)"
+    )
     fwd.register_fake(fwd_fake)
     bwd = torch.library.custom_op(
-        f"{lib}_bwd", bwd_impl, mutates_args=(), schema=f"(Tensor grad, {_schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
+        f"{lib}_bwd",
+        bwd_impl,
+        mutates_args=(),
+        schema=f"(Tensor grad, {_schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]",
     )
     bwd.register_fake(bwd_fake)
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default

@@ -33,7 +33,9 @@ class RowKernel:
         key = (which, device.type)
         if key not in self._compiled:
             if device.type not in ("cuda", "cpu"):
-                raise Unsupported(f"device {device.type}: kernels run on cuda, or on cpu through Triton's interpreter")
+                raise Unsupported(
+                    f"device {device.type}: kernels run on cuda, or on cpu through Triton's interpreter"
+                )
             mod, _ = load_module(self.spec.name, self.source, interpret=device.type == "cpu")
             py = getattr(mod, f"{self.spec.name}_{which}")
             if device.type == "cuda":
@@ -140,17 +142,31 @@ def forward(spelling, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     if lay.M == 0 or lay.N == 0:
         return out, stats
     if lay.N > MAX_N:
-        raise Unsupported(f"rows of {lay.N} elements; generated kernels hold a row of at most {MAX_N} in registers")
+        raise Unsupported(
+            f"rows of {lay.N} elements; generated kernels hold a row of at most {MAX_N} in registers"
+        )
     flats = [_flat(t, lay, lay.kinds[n]) for n, t in tensors.items()]
     o = out.view(lay.M, lay.N)
     cfg = _config(lay.M, lay.N, dev)
     grid = (triton.cdiv(lay.M, cfg["BLOCK_M"]),)
-    k.fn("fwd", dev)[grid](*_ptr_args(k.spec, flats), *scalars, o, o.stride(0), o.stride(1), stats,
-                           lay.M, lay.N, float(lay.N), **cfg)
+    k.fn("fwd", dev)[grid](
+        *_ptr_args(k.spec, flats),
+        *scalars,
+        o,
+        o.stride(0),
+        o.stride(1),
+        stats,
+        lay.M,
+        lay.N,
+        float(lay.N),
+        **cfg,
+    )
     return out, stats
 
 
-def backward(spelling, grad: torch.Tensor, args: tuple, stats: torch.Tensor, needs: list[bool]) -> list[torch.Tensor]:
+def backward(
+    spelling, grad: torch.Tensor, args: tuple, stats: torch.Tensor, needs: list[bool]
+) -> list[torch.Tensor]:
     """Gradients of every tensor argument (an empty tensor where `needs` is False)."""
     tensors, scalars = split_args(spelling, args)
     lay = layout(spelling, tensors)
@@ -177,8 +193,20 @@ def backward(spelling, grad: torch.Tensor, args: tuple, stats: torch.Tensor, nee
         for n, buf in zip(tensors, outs):
             gargs += [buf, buf.stride(0)] + ([buf.stride(1)] if lay.kinds[n] == "elem" else [])
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
-        k.fn("bwd", dev)[(nprog,)](g, g.stride(0), g.stride(1), *_ptr_args(k.spec, flats), *scalars, stats,
-                                   *gargs, lay.M, lay.N, float(lay.N), **cfg, **flags)
+        k.fn("bwd", dev)[(nprog,)](
+            g,
+            g.stride(0),
+            g.stride(1),
+            *_ptr_args(k.spec, flats),
+            *scalars,
+            stats,
+            *gargs,
+            lay.M,
+            lay.N,
+            float(lay.N),
+            **cfg,
+            **flags,
+        )
     for (n, t), need, buf in zip(tensors.items(), needs, outs):
         if not need:
             grads.append(torch.empty(0, dtype=t.dtype, device=dev))
@@ -198,6 +226,8 @@ def split_args(spelling, args: tuple) -> tuple[dict, list]:
             scalars.append(float(a))
         else:
             if not isinstance(a, torch.Tensor):
-                raise TypeError(f"{spelling.qualname}: argument {name!r} must be a tensor, got {type(a).__name__}")
+                raise TypeError(
+                    f"{spelling.qualname}: argument {name!r} must be a tensor, got {type(a).__name__}"
+                )
             tensors[name] = a
     return tensors, scalars

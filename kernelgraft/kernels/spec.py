@@ -31,6 +31,21 @@ class Reduction:
     mean: bool  # divide by N
 
 
+@dataclass(eq=False)
+class SNode:
+    """One value of the spelling: its sympy value (composed from the inputs), its dtype, its level
+    ('elem' varies per element, 'row' per row, 'col' per column, 'scalar' not at all) and how it
+    was computed from its inputs (`local(*input_values)`, with the rounding left out)."""
+
+    value: sympy.Expr
+    dtype: torch.dtype | None
+    level: str
+    inputs: tuple = ()
+    local: object = None  # callable on the inputs' sympy values
+    reduce: str | None = None  # 'mean' | 'sum' for row reductions
+    name: str = ""
+
+
 @dataclass
 class Spec:
     name: str  # op-safe identifier of the spelling
@@ -42,6 +57,7 @@ class Spec:
     output: sympy.Expr
     out_dtype: torch.dtype
     symbols: dict[str, sympy.Symbol] = field(default_factory=dict)
+    nodes: list[SNode] = field(default_factory=list)  # topological order, output last
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
 
@@ -67,7 +83,12 @@ _UNARY = {
     "silu": lambda a: a * sym.Sigmoid(a),
     "relu": lambda a: sympy.Max(a, 0),
 }
-_BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b}
+_BINARY = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+}
 
 
 def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) -> Spec:
@@ -76,16 +97,29 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
     for n, dt in dtypes.items():
         if dt not in SERVED:
             raise Unsupported(f"{n} is {dt}; kernels serve {', '.join(map(str, SERVED))}")
-    val: dict[CNode, tuple] = {}  # node -> (expr, dtype or None for a python number)
+    val: dict = {}  # CNode -> SNode
     reductions: list[Reduction] = []
     symbols: dict[str, sympy.Symbol] = {}
+    nodes: list[SNode] = []
 
-    def arg(a):
+    def node(v, dt, level, inputs=(), local=None, reduce=None, name=""):
+        sn = SNode(v, dt, level, tuple(inputs), local, reduce, name)
+        nodes.append(sn)
+        return sn
+
+    def arg(a) -> SNode:
         if isinstance(a, CNode):
             return val[a]
         if isinstance(a, (int, float)) and not isinstance(a, bool):
-            return (sympy.nsimplify(a) if float(a).is_integer() else sympy.Float(a), None)
+            c = sympy.nsimplify(a) if float(a).is_integer() else sympy.Float(a)
+            return SNode(c, None, "scalar", name=repr(a))
         raise Unsupported(f"argument {a!r} has no element-wise meaning")
+
+    def level_of(ins) -> str:
+        levels = {i.level for i in ins}
+        if "elem" in levels or {"row", "col"} <= levels:
+            return "elem"
+        return "row" if "row" in levels else ("col" if "col" in levels else "scalar")
 
     def cast_target(t):
         if isinstance(t, DtypeOf):
@@ -94,39 +128,51 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
             return t
         raise Unsupported(f"cast to {t!r}")
 
+    def rounded(e, dt):
+        return sym.round_to(e, LOW.get(dt, "float32"))
+
     for n in g.nodes:
         if n.op == "input":
             name = n.attr("name")
-            s = sympy.Symbol(f"v_{name}")  # prefixed: no clash with the kernel's own names
-            symbols[f"v_{name}"] = s
-            val[n] = (s, None if n.attr("kind") == "scalar" else dtypes[name])
+            s_ = sympy.Symbol(f"v_{name}")  # prefixed: no clash with the kernel's own names
+            symbols[f"v_{name}"] = s_
+            if n.attr("kind") == "scalar":
+                val[n] = node(s_, None, "scalar", name=name)
+            else:
+                val[n] = node(s_, dtypes[name], "elem" if kinds[name] == "elem" else "col", name=name)
             continue
         if n.op == "cast":
-            (x, _), target = arg(n.args[0]), cast_target(n.args[1])
+            x, target = arg(n.args[0]), cast_target(n.args[1])
             if target not in SERVED:
                 raise Unsupported(f"the pattern casts to {target}")
-            val[n] = (sym.round_to(x, LOW.get(target, "float32")), target)
+            val[n] = node(rounded(x.value, target), target, x.level, (x,), lambda a: a, name=n.name)
             continue
         if n.op in ("mean", "sum"):
             if n.attr("dims") != (-1,) or not n.attr("keepdim"):
-                raise Unsupported(f"{n.op} over dims {n.attr('dims')} keepdim={n.attr('keepdim')}: only row reductions (dim=-1, keepdim=True)")
-            x, dt = arg(n.args[0])
+                raise Unsupported(
+                    f"{n.op} over dims {n.attr('dims')} keepdim={n.attr('keepdim')}: only row reductions (dim=-1, keepdim=True)"
+                )
+            x = arg(n.args[0])
+            if x.level != "elem":
+                raise Unsupported(f"{n.op} of a value that does not vary along the row")
             r = sympy.Symbol(f"r{len(reductions)}")
-            reductions.append(Reduction(r, x, n.op == "mean"))
-            val[n] = (sym.round_to(r, LOW.get(dt, "float32")), dt)
+            reductions.append(Reduction(r, x.value, n.op == "mean"))
+            val[n] = node(rounded(r, x.dtype), x.dtype, "row", (x,), None, n.op, n.name)
             continue
         if n.op in _UNARY:
-            x, dt = arg(n.args[0])
-            e = _UNARY[n.op](x)
+            ins = (arg(n.args[0]),)
+            dt, fn = ins[0].dtype, _UNARY[n.op]
         elif n.op in _BINARY:
-            (a, da), (b, db) = arg(n.args[0]), arg(n.args[1])
-            dt = _promote(da, db)
-            e = _BINARY[n.op](a, b)
+            ins = (arg(n.args[0]), arg(n.args[1]))
+            dt, fn = _promote(ins[0].dtype, ins[1].dtype), _BINARY[n.op]
         else:
             raise Unsupported(f"op {n.op} has no element-wise kernel form")
-        val[n] = (sym.round_to(e, LOW.get(dt, "float32")), dt)
+        val[n] = node(rounded(fn(*(i.value for i in ins)), dt), dt, level_of(ins), ins, fn, name=n.name)
 
-    out, out_dt = val[g.output]
+    out_node = val[g.output]
+    out, out_dt = out_node.value, out_node.dtype
+    if out_node.level != "elem":
+        raise Unsupported("the pattern's output does not vary per element")
     if out_dt is None:
         raise Unsupported("the pattern's output is a python number")
     if not any(k == "elem" for k in kinds.values()):
@@ -134,5 +180,15 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
     safe = f"{spelling.pattern}__{spelling.name}".replace(".", "_")
     scalars = [f"v_{a}" for a in spelling.arg_names if a in spelling.scalar_names]
     tensors = [f"v_{a}" for a in spelling.tensor_names]
-    return Spec(safe, tensors, scalars, {f"v_{k}": v for k, v in kinds.items()}, {f"v_{k}": v for k, v in dtypes.items()},
-                reductions, out, out_dt, symbols)
+    return Spec(
+        safe,
+        tensors,
+        scalars,
+        {f"v_{k}": v for k, v in kinds.items()},
+        {f"v_{k}": v for k, v in dtypes.items()},
+        reductions,
+        out,
+        out_dt,
+        symbols,
+        nodes,
+    )

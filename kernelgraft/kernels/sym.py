@@ -17,7 +17,7 @@ class Rsqrt(sympy.Function):
     """1/sqrt(x).   d/dx = -rsqrt(x)^3 / 2"""
 
     def fdiff(self, argindex=1):
-        return -Rsqrt(self.args[0]) ** 3 / 2
+        return -(Rsqrt(self.args[0]) ** 3) / 2
 
 
 class Sigmoid(sympy.Function):
@@ -67,7 +67,11 @@ STABILIZE = [
     (1 / (1 + sympy.exp(-_a)), lambda a: Sigmoid(a), "1/(1+e^-x) overflows for x << 0; sigmoid does not"),
     (sympy.exp(-_a) / (1 + sympy.exp(-_a)) ** 2, lambda a: Sigmoid(a) * (1 - Sigmoid(a)), "sympy's sigmoid'"),
     (_a ** sympy.Rational(-1, 2), lambda a: Rsqrt(a), "x^-1/2 -> rsqrt (one instruction)"),
-    (_a ** sympy.Rational(-3, 2), lambda a: Rsqrt(a) ** 3, "x^-3/2 -> rsqrt^3, shares rsqrt with the forward"),
+    (
+        _a ** sympy.Rational(-3, 2),
+        lambda a: Rsqrt(a) ** 3,
+        "x^-3/2 -> rsqrt^3, shares rsqrt with the forward",
+    ),
 ]
 
 

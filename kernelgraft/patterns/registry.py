@@ -111,7 +111,9 @@ class Registry:
         for s in sps:
             if s.name == spelling:
                 return s
-        raise KeyError(f"kernelgraft: pattern {name!r} has no spelling {spelling!r}; it has {[s.name for s in sps]}")
+        raise KeyError(
+            f"kernelgraft: pattern {name!r} has no spelling {spelling!r}; it has {[s.name for s in sps]}"
+        )
 
 
 REGISTRY = Registry()

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 
+from .._dynamo import fresh_entry
 from .backend import BACKENDS, Grafter
 from .report import RewriteReport
 
 
-def optimize(model: torch.nn.Module, backend: str = "inductor", patterns=None, *, dynamic: bool | None = None):
+def optimize(
+    model: torch.nn.Module, backend: str = "inductor", patterns=None, *, dynamic: bool | None = None
+):
     """Compile `model` in place with the kernelgraft backend and return the same object.
 
     State-dict keys, `save_pretrained`/`from_pretrained`, peft and Trainer keep working; other
@@ -27,19 +30,13 @@ def optimize(model: torch.nn.Module, backend: str = "inductor", patterns=None, *
     if backend not in BACKENDS:
         raise ValueError(f"kernelgraft.optimize: backend must be one of {BACKENDS}, got {backend!r}")
     grafter = Grafter(backend, patterns)
-    model.compile(backend=grafter, dynamic=dynamic)
+    # what Module.compile does, through an entry function of this model's own (see fresh_entry)
+    compiled = torch.compile(
+        fresh_entry(f"{type(model).__name__}@{id(model):x}"), backend=grafter, dynamic=dynamic
+    )
+    model._compiled_call_impl = functools.partial(compiled, model)
     model.kernelgraft_report = grafter.report
     return model
-
-
-@contextlib.contextmanager
-def _room_for_recompiles():
-    # Each explain() is a fresh capture of Module._call_impl; keep dynamo's per-code recompile limit
-    # from silently turning later captures into eager runs.
-    cfg = torch._dynamo.config
-    keys = [k for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(cfg, k)]
-    with cfg.patch(**{k: 1 << 20 for k in keys}):
-        yield
 
 
 def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteReport:
@@ -62,8 +59,8 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
     grafter = Grafter("eager", patterns, dry_run=True)
-    with _room_for_recompiles(), torch.no_grad():
-        torch.compile(model._call_impl, backend=grafter)(*args, **kwargs)
+    with torch.no_grad():
+        torch.compile(fresh_entry("explain"), backend=grafter)(model, *args, **kwargs)
     if grafter.report.graphs == 0:
         raise RuntimeError(
             "kernelgraft.explain: dynamo captured no graph of this model (see TORCH_LOGS=graph_breaks); "

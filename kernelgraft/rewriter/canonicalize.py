@@ -39,9 +39,16 @@ SPELLINGS: dict[str, tuple] = {
 }
 COMMUTATIVE = frozenset({"add", "mul"})
 REDUCTIONS = frozenset({"mean", "sum"})
-UNARY = frozenset({"neg", "square", "sqrt", "rsqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "silu", "relu"})
+UNARY = frozenset(
+    {"neg", "square", "sqrt", "rsqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "silu", "relu"}
+)
 BINARY = frozenset({"add", "sub", "mul", "div", "pow"})
-_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+_CAST_METHODS = {
+    "float": torch.float32,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+}
 _TRANSPARENT_METHODS = frozenset({"contiguous"})
 
 _BY_TARGET: dict[Any, str] = {}
@@ -86,7 +93,14 @@ class _Builder:
         return a
 
     def new(self, op, args=(), attrs=(), fx=None) -> CNode:
-        n = CNode(op, tuple(args), tuple(attrs), fx, [fx] if fx is not None else [], name=fx.name if fx is not None else op)
+        n = CNode(
+            op,
+            tuple(args),
+            tuple(attrs),
+            fx,
+            [fx] if fx is not None else [],
+            name=fx.name if fx is not None else op,
+        )
         self.nodes.append(n)
         return n
 
@@ -170,7 +184,10 @@ RULES: list[tuple[str, Any]] = [
     ("pow", lambda a, e: ("reciprocal", (a,)) if _num(e, -1) else None),  # x^-1 -> 1/x
     ("div", lambda a, b: ("reciprocal", (b,)) if _num(a, 1) else None),  # 1/x -> reciprocal
     ("reciprocal", lambda a: ("rsqrt", a.args) if _is(a, "sqrt") else None),  # 1/sqrt(x) -> rsqrt
-    ("div", lambda a, b: ("mul", (a, _fresh("rsqrt", b.args, b))) if _is(b, "sqrt") else None),  # a/sqrt(v) -> a*rsqrt(v)
+    (
+        "div",
+        lambda a, b: ("mul", (a, _fresh("rsqrt", b.args, b))) if _is(b, "sqrt") else None,
+    ),  # a/sqrt(v) -> a*rsqrt(v)
 ]
 _pending: list[CNode] = []
 
@@ -247,7 +264,9 @@ def canonicalize_pattern(spelling) -> CGraph:
         if n.op == "output":
             res = n.args[0]
             if not isinstance(res, torch.fx.Node):
-                raise TypeError(f"kernelgraft.pattern({spelling.pattern!r}): the pattern must return one tensor")
+                raise TypeError(
+                    f"kernelgraft.pattern({spelling.pattern!r}): the pattern must return one tensor"
+                )
             out = b.of_fx[res]
             continue
         c = _lower_fx_node(b, n)

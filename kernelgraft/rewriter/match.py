@@ -99,16 +99,25 @@ class Matcher:
             name = p.attr("name")
             if p.attr("kind") == "scalar":
                 if not _is_number(m):
-                    self._fail(st, p, m, f"`{name}` is a Scalar in the pattern but the model has {describe(m)}")
+                    self._fail(
+                        st, p, m, f"`{name}` is a Scalar in the pattern but the model has {describe(m)}"
+                    )
                 elif name in st.scalars and st.scalars[name] != m:
                     self._fail(st, p, m, f"`{name}` is {st.scalars[name]} in one place and {m} in another")
                 else:
                     yield st.bind(scalar=(name, m))
                 return
             if not isinstance(m, CNode):
-                self._fail(st, p, m, f"`{name}` is a tensor in the pattern but the model has the constant {m!r}")
+                self._fail(
+                    st, p, m, f"`{name}` is a tensor in the pattern but the model has the constant {m!r}"
+                )
             elif name in st.tensors and st.tensors[name] is not m:
-                self._fail(st, p, m, f"`{name}` must be one tensor, but the model uses {describe(st.tensors[name])} and {describe(m)}")
+                self._fail(
+                    st,
+                    p,
+                    m,
+                    f"`{name}` must be one tensor, but the model uses {describe(st.tensors[name])} and {describe(m)}",
+                )
             else:
                 yield st.bind(tensor=(name, m))
             return
@@ -133,7 +142,12 @@ class Matcher:
             if st.pmap[p] is m:
                 yield st
             else:
-                self._fail(st, p, m, f"the pattern reuses one value here, the model computes it twice ({describe(m)})")
+                self._fail(
+                    st,
+                    p,
+                    m,
+                    f"the pattern reuses one value here, the model computes it twice ({describe(m)})",
+                )
             return
         if any(v is m for v in st.pmap.values()):
             self._fail(st, p, m, f"two pattern ops would be the same model node {describe(m)}")

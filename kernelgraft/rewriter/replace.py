@@ -116,8 +116,16 @@ def graft(gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False) -> Rewr
     for sp, n_ops, anchor, f in failures:
         if anchor.fx in taken or f.matched < math.ceil(n_ops / 2):
             continue
-        nm = NearMiss(sp.pattern, sp.name, module_path(anchor.fx), f.matched, n_ops,
-                      describe(f.pnode) if f.pnode is not None else "", describe(f.mnode), f.reason)
+        nm = NearMiss(
+            sp.pattern,
+            sp.name,
+            module_path(anchor.fx),
+            f.matched,
+            n_ops,
+            describe(f.pnode) if f.pnode is not None else "",
+            describe(f.mnode),
+            f.reason,
+        )
         key = (nm.module, sp.pattern)
         if key not in best or nm.matched > best[key].matched:
             best[key] = nm

@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` and `make test`. Each builds .venv/ first if needed.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The torch release kernelgraft is tested with on CPU machines; override for another build, e.g.
+#   make test TORCH_SPEC='torch>=2.6'
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test gpu-test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,plots]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/kernelgraft demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+gpu-test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m gpu
+
+lint: $(VENV)/.installed
+	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check kernelgraft tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,92 @@
+"""optimize() is in place, keeps checkpoints working, and touches nothing else in the process."""
+
+import copy
+
+import pytest
+import torch
+from tiny import batch, tiny_model
+from transformers import AutoModelForCausalLM
+
+import kernelgraft
+from kernelgraft.kernels import rowkernel
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    real = rowkernel.forward
+
+    def counting(spelling, args):
+        calls.append(spelling.qualname)
+        return real(spelling, args)
+
+    monkeypatch.setattr(rowkernel, "forward", counting)
+    return calls
+
+
+def test_optimize_returns_the_same_object_and_keeps_state_dict_keys():
+    model = tiny_model("llama")
+    keys = list(model.state_dict())
+    assert kernelgraft.optimize(model, backend="eager") is model
+    assert list(model.state_dict()) == keys
+    assert not any("_orig_mod" in k for k in model.state_dict())
+
+
+def test_no_global_side_effect(kernel_calls):
+    grafted = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    stock = tiny_model("llama", seed=1)
+    b = batch()
+    stock(**b).loss.backward()
+    assert kernel_calls == []  # the un-optimized model in the same process ran the stock code
+    grafted(**b).loss.backward()
+    assert len(kernel_calls) == 5
+    assert type(stock).forward is type(grafted).forward  # no class was patched
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    model = kernelgraft.optimize(tiny_model("qwen3"), backend="eager")
+    b = batch()
+    with torch.no_grad():
+        ref = model(**b).logits
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert set(loaded.state_dict()) == set(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    kernelgraft.optimize(loaded, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**b).logits, ref, rtol=0, atol=0)
+
+
+def test_named_backend_is_registered():
+    norm = tiny_model("llama", layers=1).model.norm
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    ref = norm(x)
+    out = torch.compile(norm, backend="kernelgraft")(x)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_patterns_argument_selects_and_validates():
+    model = tiny_model("llama")
+    rep = kernelgraft.explain(model, patterns=[], **batch())
+    assert rep.counts() == {}
+    with pytest.raises(KeyError, match="no pattern named 'layer_norm'"):
+        kernelgraft.optimize(copy.deepcopy(model), patterns=["layer_norm"])
+
+
+def test_bad_arguments_are_explained():
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        kernelgraft.optimize(lambda x: x)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernelgraft.optimize(torch.nn.Linear(2, 2), backend="tensorrt")
+
+
+def test_many_optimized_models_in_one_process_each_run_the_kernels(kernel_calls):
+    # Dynamo's recompile limit is per code object; each optimized model must stay compiled.
+    b = batch()
+    for i in range(10):
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        model = kernelgraft.optimize(tiny_model("llama", dtype=dtype, layers=1, seed=i), backend="eager")
+        kernel_calls.clear()
+        model(**b)
+        assert len(kernel_calls) == 3, f"model {i} ran uncompiled"

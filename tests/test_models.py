@@ -1,0 +1,69 @@
+"""Tiny random Llama, Gemma-2 and Qwen3: sites counted, and loss and every gradient by the rule."""
+
+import copy
+
+import pytest
+import torch
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+
+ARCHS = ["llama", "gemma2", "qwen3"]
+
+
+def rms_norm_calls(model, b) -> int:
+    """How many times the model actually calls an RMSNorm module (counted with hooks, eager)."""
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda *a: calls.append(1))
+        for m in model.modules()
+        if "RMSNorm" in type(m).__name__
+    ]
+    with torch.no_grad():
+        model(**b)
+    for h in hooks:
+        h.remove()
+    return len(calls)
+
+
+@pytest.mark.parametrize("arch,per_layer", [("llama", 2), ("gemma2", 4), ("qwen3", 4)])
+def test_explain_counts_every_rms_norm_the_model_calls(arch, per_layer):
+    model = tiny_model(arch, layers=3)
+    b = batch()
+    L = model.config.num_hidden_layers
+    expected = rms_norm_calls(model, b)
+    assert expected == per_layer * L + 1  # Llama 2L+1; Gemma-2 4L+1; Qwen3 4L+1 (q/k norms per head)
+    rep = kernelgraft.explain(model, **b)
+    assert rep.counts() == {"rms_norm": expected}, str(rep)
+    assert not rep.fallbacks
+    mods = {s.module for s in rep.sites}
+    assert "model.norm" in mods and "model.layers.0.input_layernorm" in mods
+    if arch == "qwen3":
+        q = next(s for s in rep.sites if s.module == "model.layers.0.self_attn.q_norm")
+        assert q.shapes["x"][-2:] == (model.config.num_attention_heads, model.config.head_dim)
+    text = str(rep)
+    assert f"{expected} site(s) replaced" in text and "model.layers.0.input_layernorm" in text
+    # explain leaves the model as it was
+    assert model._compiled_call_impl is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_and_every_gradient_by_the_rule(arch, dtype):
+    stock = tiny_model(arch, dtype)
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    verdicts = compare_models(grafted, stock, batch())
+    n_params = sum(1 for _ in stock.parameters())
+    assert len(verdicts) == 1 + n_params
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts()["rms_norm"] == rms_norm_calls(stock, batch())
+
+
+def test_inductor_backend_llama():
+    stock = tiny_model("llama")
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
+    verdicts = compare_models(grafted, stock, batch(), compiled=False)
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts() == {"rms_norm": 5}

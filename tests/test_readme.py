@@ -1,0 +1,23 @@
+"""Every python block of the README runs (in a fresh process: the README registers a pattern)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("i", range(len(BLOCKS)))
+def test_readme_block_runs(i):
+    r = subprocess.run([sys.executable, "-c", BLOCKS[i]], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if "counts()" in BLOCKS[i]:
+        assert "{'rms_norm': 5}" in r.stdout

@@ -1,0 +1,81 @@
+"""The RMSNorm op alone vs float64 truth, eager and torch.compile (the DESIGN.md rule)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernelgraft.gradcheck import check_spelling
+from kernelgraft.patterns import REGISTRY
+
+SPELLINGS = ["llama", "gemma"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def inputs(M, N, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, N, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    w = (1 + 0.2 * torch.randn(N, generator=g)).to(device=device, dtype=dtype).requires_grad_()
+    return x, w
+
+
+def assert_ok(verdicts):
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert len(verdicts) == 3  # output, grad x, grad weight: every gradient was compared
+
+
+# Narrow rows give few elements per row: use many rows so the relative errors compared are
+# statistics over >= 28k elements, not the luck of a handful of roundings.
+@pytest.mark.parametrize("N", [1, 7, 4096, 5120])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_rms_norm_matches_truth_eager_and_compile(spelling, dtype, N):
+    sp = REGISTRY.get("rms_norm", spelling)
+    M = 4096 if N < 64 else 8
+    assert_ok(check_spelling(sp, (*inputs(M, N, dtype), 1e-6), compile_ref=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_non_contiguous_input(spelling, dtype):
+    sp = REGISTRY.get("rms_norm", spelling)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(96, 2, 300, generator=g).to(dtype)
+    x = base[:, 1, :257].detach().requires_grad_()  # row stride 600, a view into a larger tensor
+    assert not x.is_contiguous()
+    w = (1 + 0.2 * torch.randn(257, generator=g)).to(dtype).requires_grad_()
+    assert_ok(check_spelling(sp, (x, w, 1e-5), compile_ref=True))
+    xt = torch.randn(257, 64, generator=g).to(dtype).t().detach().requires_grad_()  # column stride != 1
+    assert_ok(check_spelling(sp, (xt, w, 1e-5), compile_ref=False))
+
+
+@given(
+    M=st.integers(1, 300),
+    N=st.sampled_from([1, 2, 3, 17, 64, 127, 1000, 2049]),
+    dtype=st.sampled_from(DTYPES),
+    scale=st.sampled_from([1e-3, 1.0, 100.0]),
+    spelling=st.sampled_from(SPELLINGS),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_property(M, N, dtype, scale, spelling, seed):
+    sp = REGISTRY.get("rms_norm", spelling)
+    x, w = inputs(M, N, dtype, seed)
+    x = (x.detach().float() * scale).to(dtype).requires_grad_()
+    assert_ok(check_spelling(sp, (x, w, 1e-6), compile_ref=False, seed=seed))
+
+
+def test_constant_rows_and_large_values_stay_finite():
+    sp = REGISTRY.get("rms_norm", "llama")
+    x = torch.full((4, 64), 100.0).requires_grad_()
+    x.data[1] = 0.0  # an all-zero row: rsqrt(eps), finite
+    w = torch.ones(64, requires_grad=True)
+    assert_ok(check_spelling(sp, (x, w, 1e-6), compile_ref=False))
+
+
+def test_bad_shapes_say_what_to_do():
+    from kernelgraft.kernels import op_for
+
+    op = op_for(REGISTRY.get("rms_norm", "llama"))
+    with pytest.raises(ValueError, match=r"weight \(4095,\)"):
+        op(torch.randn(2, 4096), torch.randn(4095), 1e-6)

@@ -8,7 +8,9 @@ def test_demo_losses_agree():
     assert cli.demo(steps=3, device="cpu", out=out) == 0
     text = out.getvalue()
     assert "loss curves agree" in text and "rms_norm: 5" in text
-    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 4]
+    rows = [
+        line.split() for line in text.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 4
+    ]
     assert len(rows) == 3
     for _, stock, mine, _ in rows:
         assert abs(float(stock) - float(mine)) <= 1e-4 * abs(float(stock))

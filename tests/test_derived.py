@@ -45,7 +45,9 @@ def test_derived_backward_is_correct(sp, dtype):
 def test_generated_source_has_the_derived_backward():
     from kernelgraft.kernels import row_kernel
 
-    k = row_kernel(layer_norm_nobias, {"x": torch.float32, "weight": torch.float32}, {"x": "elem", "weight": "col"})
+    k = row_kernel(
+        layer_norm_nobias, {"x": torch.float32, "weight": torch.float32}, {"x": "elem", "weight": "col"}
+    )
     assert len(k.spec.reductions) == 2  # mean, then the variance of the centred row
     assert len(k.backward.adjoints) == 2  # one row adjoint per reduction, derived in reverse order
     src = k.source
@@ -88,4 +90,6 @@ def test_new_pattern_replaced_in_a_model():
 
 def test_unrelated_model_untouched_by_local_pattern():
     model = tiny_model("llama", layers=1)
-    assert kernelgraft.explain(model, torch.randint(0, 128, (1, 4)), patterns=[layer_norm_nobias]).counts() == {}
+    assert (
+        kernelgraft.explain(model, torch.randint(0, 128, (1, 4)), patterns=[layer_norm_nobias]).counts() == {}
+    )

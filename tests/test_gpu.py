@@ -1,0 +1,64 @@
+"""The same checks on a CUDA GPU (run with `pytest -m gpu`): compiled Triton instead of the interpreter."""
+
+import copy
+
+import pytest
+import torch
+from test_rms_norm_op import assert_ok, inputs
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+from kernelgraft.gradcheck import check_spelling
+from kernelgraft.kernels import op_for
+from kernelgraft.patterns import REGISTRY
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("N", [1, 7, 4096, 5120])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1]
+)
+@pytest.mark.parametrize("spelling", ["llama", "gemma"])
+def test_rms_norm_op_on_gpu(spelling, dtype, N):
+    sp = REGISTRY.get("rms_norm", spelling)
+    M = 4096 if N < 64 else 64
+    assert_ok(check_spelling(sp, (*inputs(M, N, dtype, device=CUDA), 1e-6), compile_ref=True))
+
+
+def test_same_source_compiled_and_interpreted_in_one_process():
+    sp = REGISTRY.get("rms_norm", "llama")
+    op = op_for(sp)
+    x, w = inputs(33, 300, torch.bfloat16)
+    cpu = op(x, w, 1e-6)
+    gpu = op(x.detach().cuda(), w.detach().cuda(), 1e-6)
+    assert torch.equal(cpu, gpu.cpu())  # bf16 output: one rounding path, bit-identical on both
+    assert torch.equal(gpu.cpu(), sp.fn(x, w, 1e-6))
+
+
+def test_deterministic():
+    sp = REGISTRY.get("rms_norm", "llama")
+    op = op_for(sp)
+    x, w = inputs(4096, 4096, torch.bfloat16, device=CUDA)
+    g = torch.randn(4096, 4096, device=CUDA, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        xi, wi = x.detach().requires_grad_(), w.detach().requires_grad_()
+        y = op(xi, wi, 1e-6)
+        y.backward(g)
+        runs.append((y, xi.grad, wi.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+def test_models_on_gpu(arch, dtype, backend):
+    stock = tiny_model(arch, dtype, device="cuda")
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
+    verdicts = compare_models(grafted, stock, batch(device="cuda"))
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts()["rms_norm"] >= 5

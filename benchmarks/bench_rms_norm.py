@@ -46,13 +46,15 @@ def measure(M, N, dtype=torch.bfloat16):
     torch.manual_seed(0)
     x = torch.randn(M, N, device="cuda", dtype=dtype, requires_grad=True)
     w = (1 + 0.1 * torch.randn(N, device="cuda")).to(dtype).requires_grad_()
-    g = torch.randn(M, N, device="cuda", dtype=dtype)
+    g0 = torch.randn(M, N, device="cuda", dtype=dtype)
+    g = g0
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
     gx64, gw64 = torch.autograd.grad(y64, (x64, w64), g.double())
     floor_bytes = 5 * M * N * x.element_size() + 3 * N * w.element_size() + 2 * M * 4
     rows = {}
     for name, f in impls().items():
+        g = g0.clone()  # Liger's backward writes into the incoming gradient (in_place=True, its default)
         y = f(x, w)
         gx, gw = torch.autograd.grad(y, (x, w), g)
         err = dict(out=rel_error(y, y64), grad_x=rel_error(gx, gx64), grad_w=rel_error(gw, gw64))
@@ -77,6 +79,24 @@ def measure(M, N, dtype=torch.bfloat16):
             fwd_ms=t_f, fwd_bwd_ms=t_fb, peak_mib=peak, gbps=floor_bytes / t_fb / 1e6, errors=err
         )
     return dict(M=M, N=N, dtype=str(dtype), floor_ms=floor_bytes / 4275e9 * 1e3, impls=rows)
+
+
+def kernel_times(fn, iters=20) -> dict:
+    """Device time per call of each CUDA kernel fn launches (torch.profiler), in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            out[e.key[:60]] = round(t / iters, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def markdown(res) -> str:

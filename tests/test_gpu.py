@@ -62,3 +62,9 @@ def test_models_on_gpu(arch, dtype, backend):
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
     assert grafted.kernelgraft_report.counts()["rms_norm"] >= 5
+
+
+@pytest.mark.parametrize("spelling", ["llama", "gemma"])
+def test_large_rows_loop_path_on_gpu(spelling):
+    sp = REGISTRY.get("rms_norm", spelling)
+    assert_ok(check_spelling(sp, (*inputs(16384, 4096, torch.bfloat16, device=CUDA), 1e-6), compile_ref=True))

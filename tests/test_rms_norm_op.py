@@ -79,3 +79,14 @@ def test_bad_shapes_say_what_to_do():
     op = op_for(REGISTRY.get("rms_norm", "llama"))
     with pytest.raises(ValueError, match=r"weight \(4095,\)"):
         op(torch.randn(2, 4096), torch.randn(4095), 1e-6)
+
+
+def test_backward_programs_loop_over_row_blocks(monkeypatch):
+    # On a GPU each backward program visits many row blocks; force that path in the interpreter too.
+    from kernelgraft.kernels import rowkernel
+
+    monkeypatch.setattr(rowkernel, "MAX_PROGRAMS_CPU", 3)
+    for spelling in SPELLINGS:
+        sp = REGISTRY.get("rms_norm", spelling)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert_ok(check_spelling(sp, (*inputs(1000, 96, dtype, seed=5), 1e-6), compile_ref=False))

@@ -109,12 +109,15 @@ def _config(M: int, N: int, device: torch.device) -> dict:
     return dict(BLOCK_M=BM, BLOCK_N=BN)
 
 
+MAX_PROGRAMS_CPU = 4096
+
+
 def _programs(n_blocks: int, device: torch.device) -> int:
     """Backward programs. Each writes one partial row of every per-column gradient; torch adds the
     partial rows (a tree sum), so more programs also means shorter sequential sums."""
     if device.type == "cuda":
         return max(1, min(n_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(n_blocks, 4096))
+    return max(1, min(n_blocks, MAX_PROGRAMS_CPU))
 
 
 def _flat(t: torch.Tensor, lay: Layout, kind: str) -> torch.Tensor:

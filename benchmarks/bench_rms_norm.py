@@ -63,7 +63,7 @@ def measure(M, N, dtype=torch.bfloat16):
             with torch.no_grad():
                 f(x, w)
 
-        def fwd_bwd(f=f):
+        def fwd_bwd(f=f, g=g):
             torch.autograd.grad(f(x, w), (x, w), g)
 
         t_f = do_bench(fwd, warmup=25, rep=100, return_mode="median")

@@ -78,6 +78,8 @@ def measure(M, N, dtype=torch.bfloat16):
         rows[name] = dict(
             fwd_ms=t_f, fwd_bwd_ms=t_fb, peak_mib=peak, gbps=floor_bytes / t_fb / 1e6, errors=err
         )
+        if name == "kernelgraft":
+            rows[name]["kernels_us"] = kernel_times(fwd_bwd)
     return dict(M=M, N=N, dtype=str(dtype), floor_ms=floor_bytes / 4275e9 * 1e3, impls=rows)
 
 
@@ -119,6 +121,9 @@ def markdown(res) -> str:
                 f"{c / v['fwd_bwd_ms']:.2f}x | {v['gbps']:.0f} | {v['peak_mib']:.0f} | {er['out']:.2e} | "
                 f"{er['grad_x']:.2e} | {er['grad_w']:.2e} |"
             )
+        k = r["impls"]["kernelgraft"].get("kernels_us")
+        if k:
+            lines.append("\nkernelgraft device time per fwd+bwd (us): " + ", ".join(f"{n} {t}" for n, t in k.items()))
     return "\n".join(lines) + "\n"
 
 

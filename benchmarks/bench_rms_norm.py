@@ -123,7 +123,9 @@ def markdown(res) -> str:
             )
         k = r["impls"]["kernelgraft"].get("kernels_us")
         if k:
-            lines.append("\nkernelgraft device time per fwd+bwd (us): " + ", ".join(f"{n} {t}" for n, t in k.items()))
+            lines.append(
+                "\nkernelgraft device time per fwd+bwd (us): " + ", ".join(f"{n} {t}" for n, t in k.items())
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -30,5 +30,8 @@ def fresh_entry(tag: str):
         "def kernelgraft_entry(module, /, *args, **kwargs):\n    return module._call_impl(*args, **kwargs)\n"
     )
     ns: dict = {}
-    exec(compile(src, f"<kernelgraft entry {tag}>", "exec"), ns)
+    # named after this file: torch < 2.13 routes functions without a source file through one shared
+    # wrapper frame (external_utils.inner), which would share the cache again
+    ns["__name__"] = f"kernelgraft entry {tag}"
+    exec(compile(src, __file__, "exec"), ns)
     return ns["kernelgraft_entry"]

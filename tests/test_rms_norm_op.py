@@ -30,10 +30,11 @@ def assert_ok(verdicts):
 @pytest.mark.parametrize("N", [1, 7, 4096, 5120])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("spelling", SPELLINGS)
-def test_rms_norm_matches_truth_eager_and_compile(spelling, dtype, N):
+@pytest.mark.parametrize("rounding", ["autograd", "fused"])
+def test_rms_norm_matches_truth_eager_and_compile(rounding, spelling, dtype, N):
     sp = REGISTRY.get("rms_norm", spelling)
     M = 4096 if N < 64 else 8
-    assert_ok(check_spelling(sp, (*inputs(M, N, dtype), 1e-6), compile_ref=True))
+    assert_ok(check_spelling(sp, (*inputs(M, N, dtype), 1e-6), compile_ref=True, rounding=rounding))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -57,12 +58,13 @@ def test_non_contiguous_input(spelling, dtype):
     scale=st.sampled_from([1e-3, 1.0, 100.0]),
     spelling=st.sampled_from(SPELLINGS),
     seed=st.integers(0, 2**16),
+    rounding=st.sampled_from(["autograd", "fused"]),
 )
-def test_rms_norm_property(M, N, dtype, scale, spelling, seed):
+def test_rms_norm_property(M, N, dtype, scale, spelling, seed, rounding):
     sp = REGISTRY.get("rms_norm", spelling)
     x, w = inputs(M, N, dtype, seed)
     x = (x.detach().float() * scale).to(dtype).requires_grad_()
-    assert_ok(check_spelling(sp, (x, w, 1e-6), compile_ref=False, seed=seed))
+    assert_ok(check_spelling(sp, (x, w, 1e-6), compile_ref=False, seed=seed, rounding=rounding))
 
 
 def test_constant_rows_and_large_values_stay_finite():

@@ -10,7 +10,13 @@ from .rule import Verdict, judge
 
 
 def check_spelling(
-    spelling, args: tuple, *, grad_out: torch.Tensor | None = None, compile_ref: bool = True, seed: int = 0
+    spelling,
+    args: tuple,
+    *,
+    grad_out: torch.Tensor | None = None,
+    compile_ref: bool = True,
+    seed: int = 0,
+    rounding: str = "autograd",
 ) -> list[Verdict]:
     """Output and every gradient of the kernel vs float64 truth, next to eager and torch.compile of
     the spelling in the working dtype. Returns one Verdict per compared quantity.
@@ -24,7 +30,7 @@ def check_spelling(
     """
     from ..kernels import op_for
 
-    op = op_for(spelling)
+    op = op_for(spelling, rounding)
     ref = spelling.fn
     truth, tgrads = run_with_grads(ref, args, _grad(ref, args, grad_out, seed), truth=True)
     g = _grad(ref, args, grad_out, seed)

@@ -106,7 +106,8 @@ def forward_source(spec: Spec) -> str:
         )
         L.append(f"{i}tl.store(stats_ptr + rows * {K} + {k}, {red.symbol}, mask=rmask)")
     L.append(f"{i}# y = {spec.output}")
-    lines, (e,) = _cse_lines([spec.output], "t", i)
+    # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
+    lines, (e,) = _cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", i)
     L += lines
     L.append(f"{i}tl.store(out_ptr + rows * out_s0 + cols * out_s1, {e}, mask=mask)")
     return "\n".join(L) + "\n"

@@ -5,9 +5,11 @@ sympy.diff, and the adjoints of reductions and broadcasts written next to the fo
     z_j = f(a, ...), a one value per row        ->  da  = sum_j dz_j df/da   (adjoint of a broadcast: sum)
     z_j = f(w_j, ...), w one value per column   ->  dw_j = sum over rows     (column sum, in the launcher)
 
-It rounds where autograd rounds: the gradient of a value held in bf16/fp16 is itself held in that
-dtype (each op's backward computes in its output dtype, and `.to()` casts the gradient back), so the
-kernel's gradients follow the stock model's rounding path, computed in float32 everywhere else.
+With rounding="autograd" it rounds where autograd rounds: the gradient of a value held in bf16/fp16
+is itself held in that dtype (each op's backward computes in its output dtype, and `.to()` casts the
+gradient back), so the kernel's gradients follow the eager model's rounding path. With
+rounding="fused" (under inductor, whose fused backward keeps float32 between loads and stores)
+only the stored gradients are rounded.
 Forward values are recomputed from the saved inputs and row statistics r_k, not stored.
 """
 
@@ -28,7 +30,7 @@ class Backward:
     grads: dict[str, sympy.Expr]  # tensor name -> per-element gradient (column-summed for 'col' kinds)
 
 
-def _round(e, dt):
+def _round_any(e, dt):
     return round_to(e, LOW.get(dt, "float32")) if dt is not None else e
 
 
@@ -44,6 +46,11 @@ def _local_derivatives(n) -> list:
 
 def derive(spec: Spec) -> Backward:
     g = sympy.Symbol("g")
+    fused = spec.rounding == "fused"
+
+    def _round(e, dt):
+        return e if fused else _round_any(e, dt)
+
     contrib: dict = {id(spec.nodes[-1]): [(g, "elem")]}
     adjoints: list = []
     grads: dict = {}

@@ -32,9 +32,11 @@ def _schema_args(sp) -> str:
     return ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in sp.arg_names)
 
 
-def op_for(spelling) -> GraftedOp:
-    """The custom op pair for `spelling`, defined on first use."""
-    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}")
+def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
+    """The custom op pair for `spelling`, defined on first use. rounding: 'autograd' rounds like
+    eager PyTorch (the eager backend), 'fused' like inductor's fused kernels (the inductor backend)."""
+    suffix = "" if rounding == "autograd" else f"__{rounding}"
+    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}{suffix}")
     if name in _OPS:
         return _OPS[name]
     sp = spelling
@@ -43,12 +45,12 @@ def op_for(spelling) -> GraftedOp:
     scalar_idx = [i for i, a in enumerate(sp.arg_names) if a in sp.scalar_names]
 
     def fwd_impl(*args):
-        return rowkernel.forward(sp, args)
+        return rowkernel.forward(sp, args, rounding)
 
     def fwd_fake(*args):
         tensors, _ = rowkernel.split_args(sp, args)
         lay = rowkernel.layout(sp, tensors)
-        spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds)
+        spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
         dev = next(iter(tensors.values())).device
         K = max(len(spec.reductions), 1)
         out = torch.empty(lay.shape, dtype=spec.out_dtype, device=dev)
@@ -56,7 +58,7 @@ def op_for(spelling) -> GraftedOp:
 
     def bwd_impl(grad, *rest):
         *args, stats, needs = rest
-        return rowkernel.backward(sp, grad, tuple(args), stats, list(needs))
+        return rowkernel.backward(sp, grad, tuple(args), stats, list(needs), rounding)
 
     def bwd_fake(grad, *rest):
         *args, stats, needs = rest

@@ -48,17 +48,18 @@ class RowKernel:
 
 
 @functools.cache
-def _row_kernel(spelling, dtypes: tuple, kinds: tuple) -> RowKernel:
-    spec = build_spec(spelling, dict(dtypes), dict(kinds))
+def _row_kernel(spelling, dtypes: tuple, kinds: tuple, rounding: str) -> RowKernel:
+    spec = build_spec(spelling, dict(dtypes), dict(kinds), rounding)
     bwd = derive(spec)
     src = module_source(spec, bwd, spelling.qualname)
     _, path = load_module(spec.name, src)
     return RowKernel(spec, bwd, src, path)
 
 
-def row_kernel(spelling, dtypes: dict, kinds: dict) -> RowKernel:
+def row_kernel(spelling, dtypes: dict, kinds: dict, rounding: str = "autograd") -> RowKernel:
     names = spelling.tensor_names
-    return _row_kernel(spelling, tuple((n, dtypes[n]) for n in names), tuple((n, kinds[n]) for n in names))
+    dt = tuple((n, dtypes[n]) for n in names)
+    return _row_kernel(spelling, dt, tuple((n, kinds[n]) for n in names), rounding)
 
 
 # ---- layout: which argument is a full tensor and which a per-column parameter ------------------
@@ -133,11 +134,11 @@ def _ptr_args(spec: Spec, flats: list[torch.Tensor]) -> list:
     return a
 
 
-def forward(spelling, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(spelling, args: tuple, rounding: str = "autograd") -> tuple[torch.Tensor, torch.Tensor]:
     """Run the generated forward on `args` (the spelling's arguments in order) -> (out, row stats)."""
     tensors, scalars = split_args(spelling, args)
     lay = layout(spelling, tensors)
-    k = row_kernel(spelling, {n: t.dtype for n, t in tensors.items()}, lay.kinds)
+    k = row_kernel(spelling, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
     dev = next(iter(tensors.values())).device
     K = max(len(k.spec.reductions), 1)
     out = torch.empty(lay.shape, dtype=k.spec.out_dtype, device=dev)
@@ -168,12 +169,17 @@ def forward(spelling, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def backward(
-    spelling, grad: torch.Tensor, args: tuple, stats: torch.Tensor, needs: list[bool]
+    spelling,
+    grad: torch.Tensor,
+    args: tuple,
+    stats: torch.Tensor,
+    needs: list[bool],
+    rounding: str = "autograd",
 ) -> list[torch.Tensor]:
     """Gradients of every tensor argument (an empty tensor where `needs` is False)."""
     tensors, scalars = split_args(spelling, args)
     lay = layout(spelling, tensors)
-    k = row_kernel(spelling, {n: t.dtype for n, t in tensors.items()}, lay.kinds)
+    k = row_kernel(spelling, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
     dev = grad.device
     cfg = _config(lay.M, lay.N, dev)
     nprog = _programs(triton.cdiv(max(lay.M, 1), cfg["BLOCK_M"]), dev)

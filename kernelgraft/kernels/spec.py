@@ -58,6 +58,7 @@ class Spec:
     out_dtype: torch.dtype
     symbols: dict[str, sympy.Symbol] = field(default_factory=dict)
     nodes: list[SNode] = field(default_factory=list)  # topological order, output last
+    rounding: str = "autograd"
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
 
@@ -91,8 +92,19 @@ _BINARY = {
 }
 
 
-def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) -> Spec:
-    """Specialize `spelling` to argument dtypes and kinds ('elem' | 'col') as a sympy Spec."""
+ROUNDINGS = ("autograd", "fused")
+
+
+def build_spec(
+    spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str], rounding: str = "autograd"
+) -> Spec:
+    """Specialize `spelling` to argument dtypes and kinds ('elem' | 'col') as a sympy Spec.
+
+    rounding="autograd" rounds every bf16/fp16 value, as eager PyTorch stores each op's result;
+    rounding="fused" rounds only at explicit casts, as inductor's fused kernels do (they compute
+    in float32 between loads and stores). The output is stored in its dtype either way."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     g = spelling.canonical()
     for n, dt in dtypes.items():
         if dt not in SERVED:
@@ -128,7 +140,9 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
             return t
         raise Unsupported(f"cast to {t!r}")
 
-    def rounded(e, dt):
+    def rounded(e, dt, explicit=False):
+        if rounding == "fused" and not explicit:
+            return e
         return sym.round_to(e, LOW.get(dt, "float32"))
 
     for n in g.nodes:
@@ -145,7 +159,9 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
             x, target = arg(n.args[0]), cast_target(n.args[1])
             if target not in SERVED:
                 raise Unsupported(f"the pattern casts to {target}")
-            val[n] = node(rounded(x.value, target), target, x.level, (x,), lambda a: a, name=n.name)
+            val[n] = node(
+                rounded(x.value, target, explicit=True), target, x.level, (x,), lambda a: a, name=n.name
+            )
             continue
         if n.op in ("mean", "sum"):
             if n.attr("dims") != (-1,) or not n.attr("keepdim"):
@@ -177,7 +193,9 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
         raise Unsupported("the pattern's output is a python number")
     if not any(k == "elem" for k in kinds.values()):
         raise Unsupported("no argument varies per element")
-    safe = f"{spelling.pattern}__{spelling.name}".replace(".", "_")
+    safe = f"{spelling.pattern}__{spelling.name}".replace(".", "_") + (
+        "__fused" if rounding == "fused" else ""
+    )
     scalars = [f"v_{a}" for a in spelling.arg_names if a in spelling.scalar_names]
     tensors = [f"v_{a}" for a in spelling.tensor_names]
     return Spec(
@@ -191,4 +209,5 @@ def build_spec(spelling, dtypes: dict[str, torch.dtype], kinds: dict[str, str]) 
         out_dt,
         symbols,
         nodes,
+        rounding,
     )

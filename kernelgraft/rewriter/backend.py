@@ -45,7 +45,9 @@ class Grafter:
         self.report = RewriteReport()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.report.extend(graft(gm, self.spellings, dry_run=self.dry_run))
+        # the kernels round as the code around them will: eager's per-op rounding, or inductor's fused one
+        rounding = "fused" if self.backend == "inductor" else "autograd"
+        self.report.extend(graft(gm, self.spellings, dry_run=self.dry_run, rounding=rounding))
         if self.backend == "inductor" and not self.dry_run:
             from torch._inductor.compile_fx import compile_fx
 

@@ -30,7 +30,7 @@ def _site_record(m: Match) -> SiteRecord:
     return SiteRecord(sp.pattern, sp.name, module_path(m.output.fx), shapes, dtypes, dict(m.scalars))
 
 
-def _refusal(m: Match) -> str | None:
+def _refusal(m: Match, rounding: str) -> str | None:
     """Why the kernel cannot serve this site (None: it can)."""
     sp = m.spelling
     metas = {n: c.meta for n, c in m.tensors.items()}
@@ -49,7 +49,7 @@ def _refusal(m: Match) -> str | None:
         from ..kernels.rowkernel import layout
 
         lay = layout(sp, metas)
-        row_kernel(sp, {n: t.dtype for n, t in metas.items()}, lay.kinds)
+        row_kernel(sp, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
     except (Unsupported, ValueError) as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong
@@ -57,9 +57,9 @@ def _refusal(m: Match) -> str | None:
     return None
 
 
-def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict) -> None:
+def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) -> None:
     sp = m.spelling
-    op = op_for(sp)
+    op = op_for(sp, rounding)
     args = []
     for a in sp.arg_names:
         if a in sp.scalar_names:
@@ -84,8 +84,11 @@ def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict) -> None:
             g.erase_node(n)
 
 
-def graft(gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False) -> RewriteReport:
-    """Run canonicalize -> match -> replace over one dynamo graph; edit it unless dry_run."""
+def graft(
+    gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False, rounding: str = "autograd"
+) -> RewriteReport:
+    """Run canonicalize -> match -> replace over one dynamo graph; edit it unless dry_run.
+    rounding: how the kernels round ('autograd' as eager PyTorch, 'fused' as inductor)."""
     rep = RewriteReport(graphs=1)
     cg: CGraph = canonicalize(gm.graph)
     taken: set = set()
@@ -103,7 +106,7 @@ def graft(gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False) -> Rewr
                 failures.append((sp, matcher.n_ops, anchor, res))
                 continue
             rec = _site_record(res)
-            why = _refusal(res)
+            why = _refusal(res, rounding)
             taken |= res.covered
             if why:
                 rec.replaced, rec.reason = False, why
@@ -111,7 +114,7 @@ def graft(gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False) -> Rewr
                 continue
             rep.sites.append(rec)
             if not dry_run:
-                _rewrite(gm, res, redirect)
+                _rewrite(gm, res, redirect, rounding)
     best: dict = {}
     for sp, n_ops, anchor, f in failures:
         if anchor.fx in taken or f.matched < math.ceil(n_ops / 2):

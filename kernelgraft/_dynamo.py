@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -20,18 +21,22 @@ def room_for_recompiles():
         yield
 
 
+_ENTRIES = itertools.count()
+
+
 def fresh_entry(tag: str):
     """A new function calling `module._call_impl`, with a code object of its own.
 
     Dynamo keeps compiled graphs, and its recompile limit, per code object. `Module.compile` compiles
     `Module._call_impl`, one code object for every module in the process, so the ninth model compiled
     with another backend or dtype silently runs uncompiled. One entry per model avoids that."""
-    src = (
-        "def kernelgraft_entry(module, /, *args, **kwargs):\n    return module._call_impl(*args, **kwargs)\n"
-    )
+    # a name of its own too: dynamo's automatic-dynamic state is keyed by (file, line, name), and a
+    # shared key makes one model's shapes turn another model's first compile dynamic (a recompile)
+    name = f"kernelgraft_entry_{next(_ENTRIES)}"
+    src = f"def {name}(module, /, *args, **kwargs):\n    return module._call_impl(*args, **kwargs)\n"
     ns: dict = {}
     # named after this file: torch < 2.13 routes functions without a source file through one shared
     # wrapper frame (external_utils.inner), which would share the cache again
     ns["__name__"] = f"kernelgraft entry {tag}"
     exec(compile(src, __file__, "exec"), ns)
-    return ns["kernelgraft_entry"]
+    return ns[name]

@@ -90,3 +90,12 @@ def test_many_optimized_models_in_one_process_each_run_the_kernels(kernel_calls)
         kernel_calls.clear()
         model(**b)
         assert len(kernel_calls) == 3, f"model {i} ran uncompiled"
+
+
+def test_report_counts_the_code_that_runs_after_recompiles():
+    model = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    for S in (8, 12, 16):  # new sequence lengths: dynamo recompiles the same frame
+        model(**batch(S=S))
+    rep = model.kernelgraft_report
+    assert rep.graphs >= 2
+    assert rep.counts() == {"rms_norm": 5}

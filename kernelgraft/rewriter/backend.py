@@ -47,12 +47,25 @@ class Grafter:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         # the kernels round as the code around them will: eager's per-op rounding, or inductor's fused one
         rounding = "fused" if self.backend == "inductor" else "autograd"
-        self.report.extend(graft(gm, self.spellings, dry_run=self.dry_run, rounding=rounding))
+        self.report.extend(
+            graft(gm, self.spellings, dry_run=self.dry_run, rounding=rounding), frame=_frame_id()
+        )
         if self.backend == "inductor" and not self.dry_run:
             from torch._inductor.compile_fx import compile_fx
 
             return compile_fx(gm, example_inputs)
         return gm.forward
+
+
+def _frame_id():
+    """Dynamo's id of the frame being compiled (the same across its recompiles), if it tells."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return getattr(cid, "frame_id", None)
+    except Exception:  # noqa: BLE001 - older/newer torch without it: every capture counts
+        return None
 
 
 def _named_backend(gm, example_inputs):

@@ -52,16 +52,22 @@ class RewriteReport:
     sites: list[SiteRecord] = field(default_factory=list)
     fallbacks: list[SiteRecord] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
-    graphs: int = 0
+    graphs: int = 0  # captures seen, recompiles included
 
     def counts(self) -> dict[str, int]:
         """Pattern name -> number of sites replaced."""
         return dict(Counter(s.pattern for s in self.sites))
 
-    def extend(self, other: RewriteReport) -> None:
-        off = self.graphs
-        for s in other.sites + other.fallbacks + other.near_misses:
-            s.graph += off
+    def extend(self, other: RewriteReport, frame=None) -> None:
+        """Add one capture's records. A recapture of the same dynamo frame (a recompile: new shapes,
+        new guards) replaces that frame's records, so counts() describe the code that runs now."""
+        if frame is not None:
+            self.sites = [r for r in self.sites if r.graph != frame]
+            self.fallbacks = [r for r in self.fallbacks if r.graph != frame]
+            self.near_misses = [r for r in self.near_misses if r.graph != frame]
+        key = frame if frame is not None else self.graphs
+        for r in other.sites + other.fallbacks + other.near_misses:
+            r.graph = key
         self.sites += other.sites
         self.fallbacks += other.fallbacks
         self.near_misses += other.near_misses

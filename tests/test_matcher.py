@@ -40,10 +40,16 @@ def gemma_std(m, x):
     return (h * (1.0 + m.weight.float())).type_as(x)
 
 
-def cast_after_weight(m, x):  # rounds once, after the weight multiply: not Llama's path
+def cast_after_weight(m, x):  # rounds once, after an fp32 weight multiply: OLMo-2's path
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
     return (m.weight.float() * h).to(x.dtype)
+
+
+def cast_to_other_dtype(m, x):  # Llama's shape, but rounds to fp16 whatever x is
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return m.weight * h.to(torch.float16)
 
 
 def variance_reused(m, x):  # the variance also leaves the pattern: replacing would compute it twice
@@ -85,16 +91,24 @@ def test_matched_spellings_give_the_stock_numbers(body):
     torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
 
 
+def test_each_cast_point_picks_its_own_spelling():
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    rep = kernelgraft.explain(Norm(cast_after_weight).to(torch.bfloat16), x)
+    assert [s.spelling for s in rep.sites] == ["olmo2"]
+    rep = kernelgraft.explain(Norm(llama_std).to(torch.bfloat16), x)
+    assert [s.spelling for s in rep.sites] == ["llama"]
+
+
 def test_wrong_cast_point_is_a_near_miss_naming_the_difference():
     rep = kernelgraft.explain(
-        Norm(cast_after_weight).to(torch.bfloat16), torch.randn(2, 32, dtype=torch.bfloat16)
+        Norm(cast_to_other_dtype).to(torch.bfloat16), torch.randn(2, 32, dtype=torch.bfloat16)
     )
     assert rep.counts() == {}
     assert rep.near_misses, str(rep)
     nm = max(rep.near_misses, key=lambda m: m.matched)
     assert nm.pattern == "rms_norm" and nm.module == "<top>"
     assert nm.matched >= nm.total / 2
-    assert "expected" in nm.reason
+    assert "casts to the dtype of `x` (torch.bfloat16) but the model casts to torch.float16" in nm.reason
     assert "near misses" in str(rep)
 
 

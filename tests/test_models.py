@@ -34,7 +34,7 @@ def test_explain_counts_every_rms_norm_the_model_calls(arch, per_layer):
     expected = rms_norm_calls(model, b)
     assert expected == per_layer * L + 1  # Llama 2L+1; Gemma-2 4L+1; Qwen3 4L+1 (q/k norms per head)
     rep = kernelgraft.explain(model, **b)
-    assert rep.counts() == {"rms_norm": expected}, str(rep)
+    assert rep.counts()["rms_norm"] == expected, str(rep)
     assert not rep.fallbacks
     mods = {s.module for s in rep.sites}
     assert "model.norm" in mods and "model.layers.0.input_layernorm" in mods
@@ -42,7 +42,7 @@ def test_explain_counts_every_rms_norm_the_model_calls(arch, per_layer):
         q = next(s for s in rep.sites if s.module == "model.layers.0.self_attn.q_norm")
         assert q.shapes["x"][-2:] == (model.config.num_attention_heads, model.config.head_dim)
     text = str(rep)
-    assert f"{expected} site(s) replaced" in text and "model.layers.0.input_layernorm" in text
+    assert f"{len(rep.sites)} site(s) replaced" in text and "model.layers.0.input_layernorm" in text
     # explain leaves the model as it was
     assert model._compiled_call_impl is None
 
@@ -58,6 +58,7 @@ def test_loss_and_every_gradient_by_the_rule(arch, dtype):
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
     assert grafted.kernelgraft_report.counts()["rms_norm"] == rms_norm_calls(stock, batch())
+    assert grafted.kernelgraft_report.counts()["gated_mlp"] == stock.config.num_hidden_layers
 
 
 def test_inductor_backend_llama():
@@ -66,4 +67,4 @@ def test_inductor_backend_llama():
     verdicts = compare_models(grafted, stock, batch(), compiled=False)
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
-    assert grafted.kernelgraft_report.counts() == {"rms_norm": 5}
+    assert grafted.kernelgraft_report.counts() == {"rms_norm": 5, "gated_mlp": 2}

@@ -53,7 +53,9 @@ def test_non_contiguous_input(spelling, dtype):
 
 @given(
     M=st.integers(1, 300),
-    N=st.sampled_from([1, 2, 3, 17, 64, 127, 1000, 2049]),
+    # N=1 is left to the fixed test above: RMSNorm of one column is sign(x)*w, its x-gradient is pure
+    # cancellation noise in every implementation (at |x|=100 eager's error is 133%), nothing to rank
+    N=st.sampled_from([2, 3, 17, 64, 127, 1000, 2049]),
     dtype=st.sampled_from(DTYPES),
     scale=st.sampled_from([1e-3, 1.0, 100.0]),
     spelling=st.sampled_from(SPELLINGS),
@@ -62,6 +64,10 @@ def test_non_contiguous_input(spelling, dtype):
 )
 def test_rms_norm_property(M, N, dtype, scale, spelling, seed, rounding):
     sp = REGISTRY.get("rms_norm", spelling)
+    # The rule compares error statistics. With a handful of elements it compares single roundings:
+    # at N=1 the x-gradient is the cancellation residue eps/(x^2+eps)^1.5, and eager vs compile
+    # themselves differ by 2x there. So at least 64 elements (rows of 1 are still drawn for N >= 64).
+    M = max(M, -(-64 // N))
     x, w = inputs(M, N, dtype, seed)
     x = (x.detach().float() * scale).to(dtype).requires_grad_()
     assert_ok(check_spelling(sp, (x, w, 1e-6), compile_ref=False, seed=seed, rounding=rounding))

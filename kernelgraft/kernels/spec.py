@@ -83,6 +83,13 @@ _UNARY = {
     "sigmoid": lambda a: sym.Sigmoid(a),
     "silu": lambda a: a * sym.Sigmoid(a),
     "relu": lambda a: sympy.Max(a, 0),
+    "erf": lambda a: sympy.erf(a),
+}
+_SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
+_GELU = {  # as torch defines them (torch.nn.functional.gelu)
+    "none": lambda a: a / 2 * (1 + sympy.erf(a / sympy.sqrt(2))),
+    # x/2 (1 + tanh z) == x sigmoid(2z): the same function without the 1 + tanh cancellation at x << 0
+    "tanh": lambda a: a * sym.Sigmoid(2 * _SQRT_2_OVER_PI * (a + sympy.Rational(44715, 1000000) * a**3)),
 }
 _BINARY = {
     "add": lambda a, b: a + b,
@@ -175,9 +182,12 @@ def build_spec(
             reductions.append(Reduction(r, x.value, n.op == "mean"))
             val[n] = node(rounded(r, x.dtype), x.dtype, "row", (x,), None, n.op, n.name)
             continue
-        if n.op in _UNARY:
+        if n.op in _UNARY or n.op == "gelu":
             ins = (arg(n.args[0]),)
-            dt, fn = ins[0].dtype, _UNARY[n.op]
+            dt = ins[0].dtype
+            fn = _GELU.get(n.attr("approximate")) if n.op == "gelu" else _UNARY[n.op]
+            if fn is None:
+                raise Unsupported(f"gelu(approximate={n.attr('approximate')!r})")
         elif n.op in _BINARY:
             ins = (arg(n.args[0]), arg(n.args[1]))
             dt, fn = _promote(ins[0].dtype, ins[1].dtype), _BINARY[n.op]

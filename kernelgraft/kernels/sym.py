@@ -21,11 +21,10 @@ class Rsqrt(sympy.Function):
 
 
 class Sigmoid(sympy.Function):
-    """1/(1+exp(-x)).   d/dx = s(1-s), finite for every x"""
+    """1/(1+exp(-x)).   d/dx = s(x) s(-x): finite for every x, and no 1 - s cancellation"""
 
     def fdiff(self, argindex=1):
-        s = Sigmoid(self.args[0])
-        return s * (1 - s)
+        return Sigmoid(self.args[0]) * Sigmoid(-self.args[0])
 
 
 class _Round(sympy.Function):
@@ -136,6 +135,9 @@ class TritonPrinter(StrPrinter):
     def _print_tanh(self, f):  # tanh(x) = 2*sigmoid(2x) - 1: one spelling on CUDA and in the interpreter
         return f"(2.0 / (1.0 + tl.exp(-2.0 * ({self._print(f.args[0])}))) - 1.0)"
 
+    def _print_erf(self, f):
+        return f"tl.erf({self._print(f.args[0])})"
+
     def _print_Max(self, f):
         a, b = f.args[0], sympy.Max(*f.args[1:]) if len(f.args) > 2 else f.args[1]
         return f"tl.maximum({self._print(a)}, {self._print(b)})"
@@ -151,4 +153,10 @@ class TritonPrinter(StrPrinter):
 
 
 def to_triton(expr) -> str:
-    return TritonPrinter().doprint(expr)
+    # constants such as sqrt(2/pi) become float literals: Triton has no tl.sqrt of a Python float
+    numbers = {
+        a: sympy.Float(float(a))
+        for a in sympy.preorder_traversal(expr)
+        if isinstance(a, sympy.Expr) and a.is_number and a.is_real and not a.is_Rational and not a.is_Float
+    }
+    return TritonPrinter().doprint(expr.xreplace(numbers) if numbers else expr)

@@ -5,6 +5,8 @@ llama: normalize in float32, round back to the input dtype, then multiply by the
        q/k norms), Phi-3, Granite, OLMo-2, Mixtral...
 gemma: normalize in float32, multiply by (1 + weight) in float32, round once at the end.
        Gemma, Gemma-2, Gemma-3.
+olmo2: normalize in float32, multiply by the weight in float32, round once at the end. OLMo-2 (its
+       q/k norms span all heads of the projection).
 """
 
 import torch
@@ -17,6 +19,13 @@ def rms_norm_llama(x, weight, eps: Scalar):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+@pattern("rms_norm", spelling="olmo2", extra_check=dtype_check)
+def rms_norm_olmo2(x, weight, eps: Scalar):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
 
 
 @pattern("rms_norm", spelling="gemma", extra_check=dtype_check)

@@ -34,13 +34,15 @@ SPELLINGS: dict[str, tuple] = {
     "sigmoid": (torch.sigmoid, F.sigmoid, "sigmoid"),
     "silu": (F.silu,),
     "relu": (torch.relu, F.relu, "relu"),
+    "gelu": (F.gelu, torch._C._nn.gelu),
+    "erf": (torch.erf, torch.special.erf, "erf"),
     "mean": (torch.mean, "mean"),
     "sum": (torch.sum, "sum"),
 }
 COMMUTATIVE = frozenset({"add", "mul"})
 REDUCTIONS = frozenset({"mean", "sum"})
 UNARY = frozenset(
-    {"neg", "square", "sqrt", "rsqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "silu", "relu"}
+    {"neg", "square", "sqrt", "rsqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "silu", "relu", "erf"}
 )
 BINARY = frozenset({"add", "sub", "mul", "div", "pow"})
 _CAST_METHODS = {
@@ -159,6 +161,9 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     if op in BINARY:
         other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("exponent"))
         return b.new(op, (args[0], other), fx=n)
+    if op == "gelu":  # approximate='none' | 'tanh' is part of the spelling
+        approx = args[1] if len(args) > 1 else kwargs.get("approximate", "none")
+        return b.new("gelu", (args[0],), (("approximate", approx),), fx=n)
     if op in UNARY and len(args) == 1 and not (set(kwargs) - {"inplace"}) and not kwargs.get("inplace"):
         return b.new(op, (args[0],), fx=n)
     return b.new(f"opaque:{op}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)

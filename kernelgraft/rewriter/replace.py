@@ -84,6 +84,15 @@ def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) 
             g.erase_node(n)
 
 
+_GENERIC = frozenset({"add", "sub", "mul", "div", "neg", "cast", "input"})
+
+
+def _distinctive(f, sp) -> bool:
+    """A near-miss must have matched an op that says something (a reduction, rsqrt, an activation),
+    not just a multiply or a cast that any code has."""
+    return f.matched > sum(1 for n in sp.canonical().nodes if n.op in _GENERIC and n.op != "input")
+
+
 def graft(
     gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False, rounding: str = "autograd"
 ) -> RewriteReport:
@@ -94,7 +103,9 @@ def graft(
     taken: set = set()
     redirect: dict = {}
     failures = []
-    for sp in spellings:
+    # larger spellings first: Gemma's (1 + w) norm is also OLMo-2's norm with weight := 1 + w, and the
+    # more specific match takes more of the graph into the kernel
+    for sp in sorted(spellings, key=lambda s: -len(s.canonical().nodes)):
         pg = sp.canonical()
         matcher = Matcher(sp, pg)
         out = pg.output
@@ -117,7 +128,7 @@ def graft(
                 _rewrite(gm, res, redirect, rounding)
     best: dict = {}
     for sp, n_ops, anchor, f in failures:
-        if anchor.fx in taken or f.matched < math.ceil(n_ops / 2):
+        if anchor.fx in taken or f.matched < math.ceil(n_ops / 2) or not _distinctive(f, sp):
             continue
         nm = NearMiss(
             sp.pattern,

@@ -1,0 +1,122 @@
+"""Coverage matrix: tiny random configs of the decoders people fine-tune (nothing downloaded).
+For each: the sites expected from the model itself equal explain().counts(), and the loss and every
+gradient agree with the stock model by the DESIGN.md rule in fp32 and bf16. The README's
+architecture table is generated from ARCHS and checked here, so it cannot drift:
+    python tests/test_coverage.py   # rewrites the table in README.md
+"""
+
+import copy
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+
+ARCHS = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "granite",
+    "olmo2",
+    "mixtral",
+    "qwen3_moe",
+]
+README = Path(__file__).parent.parent / "README.md"
+START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
+
+
+def expected_sites(model, b) -> dict:
+    """From the model, not from kernelgraft: RMSNorm modules it calls (hooks, eager), and one gated
+    MLP (dense, or the experts of an MoE block) per decoder layer (the config)."""
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda *a: calls.append(1))
+        for m in model.modules()
+        if type(m).__name__.endswith("RMSNorm")
+    ]
+    with torch.no_grad():
+        model(**b)
+    for h in hooks:
+        h.remove()
+    return {"rms_norm": len(calls), "gated_mlp": model.config.num_hidden_layers}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sites_match_the_model(arch):
+    model = tiny_model(arch)
+    b = batch()
+    rep = kernelgraft.explain(model, **b)
+    assert rep.counts() == expected_sites(model, b), str(rep)
+    assert not rep.fallbacks and not rep.near_misses, str(rep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_and_gradients_agree(arch, dtype):
+    stock = tiny_model(arch, dtype)
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    verdicts = compare_models(grafted, stock, batch())
+    assert len(verdicts) == 1 + sum(1 for _ in stock.parameters())
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts() == expected_sites(stock, batch())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_peft_lora(arch, dtype):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    stock = get_peft_model(tiny_model(arch, dtype), cfg)
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    verdicts = compare_models(grafted, stock, batch())
+    lora = [v for v in verdicts if "lora_" in v.what]
+    assert len(lora) == 2 * 7 * stock.config.num_hidden_layers  # A and B of q,k,v,o,gate,up,down
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts()["rms_norm"] >= 5
+
+
+def coverage_table() -> str:
+    """The README's table: for each architecture, the spellings kernelgraft finds and how often."""
+    rows = [
+        "| architecture | rms_norm sites (spelling) | gated_mlp sites (spelling) | checked |",
+        "|---|---|---|---|",
+    ]
+    for arch in ARCHS:
+        model = tiny_model(arch)
+        rep = kernelgraft.explain(model, **batch())
+        cells = []
+        for pat in ("rms_norm", "gated_mlp"):
+            sp = Counter(s.spelling for s in rep.sites if s.pattern == pat)
+            cells.append(", ".join(f"{n} ({k})" for k, n in sorted(sp.items())) or "-")
+        rows.append(f"| {arch} | {cells[0]} | {cells[1]} | loss + all grads, fp32 and bf16 |")
+    return "\n".join(rows)
+
+
+def test_readme_table_is_current():
+    text = README.read_text()
+    m = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    assert m, "README.md lacks the coverage table markers"
+    assert m.group(1) == coverage_table(), "run `python tests/test_coverage.py` to regenerate the table"
+
+
+if __name__ == "__main__":
+    text = README.read_text()
+    new = re.sub(
+        re.escape(START) + r".*?" + re.escape(END), f"{START}\n{coverage_table()}\n{END}", text, flags=re.S
+    )
+    README.write_text(new)
+    sys.exit(0)

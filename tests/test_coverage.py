@@ -36,8 +36,8 @@ START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
 
 
 def expected_sites(model, b) -> dict:
-    """From the model, not from kernelgraft: RMSNorm modules it calls (hooks, eager), and one gated
-    MLP (dense, or the experts of an MoE block) per decoder layer (the config)."""
+    """From the model, not from kernelgraft: RMSNorm modules it calls (hooks, eager); per decoder
+    layer (the config) RoPE on q and on k, and one gated MLP (dense, or an MoE block's experts)."""
     calls = []
     hooks = [
         m.register_forward_hook(lambda *a: calls.append(1))
@@ -48,7 +48,8 @@ def expected_sites(model, b) -> dict:
         model(**b)
     for h in hooks:
         h.remove()
-    return {"rms_norm": len(calls), "gated_mlp": model.config.num_hidden_layers}
+    L = model.config.num_hidden_layers
+    return {"rms_norm": len(calls), "rope": 2 * L, "gated_mlp": L}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -92,17 +93,17 @@ def test_peft_lora(arch, dtype):
 def coverage_table() -> str:
     """The README's table: for each architecture, the spellings kernelgraft finds and how often."""
     rows = [
-        "| architecture | rms_norm sites (spelling) | gated_mlp sites (spelling) | checked |",
-        "|---|---|---|---|",
+        "| architecture | rms_norm sites (spelling) | rope sites (spelling) | gated_mlp sites (spelling) | checked |",
+        "|---|---|---|---|---|",
     ]
     for arch in ARCHS:
         model = tiny_model(arch)
         rep = kernelgraft.explain(model, **batch())
         cells = []
-        for pat in ("rms_norm", "gated_mlp"):
+        for pat in ("rms_norm", "rope", "gated_mlp"):
             sp = Counter(s.spelling for s in rep.sites if s.pattern == pat)
             cells.append(", ".join(f"{n} ({k})" for k, n in sorted(sp.items())) or "-")
-        rows.append(f"| {arch} | {cells[0]} | {cells[1]} | loss + all grads, fp32 and bf16 |")
+        rows.append(f"| {arch} | {cells[0]} | {cells[1]} | {cells[2]} | loss + all grads, fp32 and bf16 |")
     return "\n".join(rows)
 
 

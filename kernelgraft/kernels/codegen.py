@@ -42,18 +42,35 @@ def _cse_lines(exprs: list, prefix: str, indent: str) -> tuple[list[str], list[s
     return lines, [to_triton(e) for e in reduced]
 
 
-def _loads(spec: Spec, indent: str, row_kind: bool) -> list[str]:
+def _loads(spec: Spec, indent: str, row_kind: bool, needed: set | None = None) -> list[str]:
+    """Loads of the tensor arguments, upcast to fp32; `name__p` (read at the rotated column) where an
+    expression in `needed` uses it."""
     out = []
+    needed = needed or set()
     for t in spec.tensors:
-        if spec.kinds[t] == "elem" and row_kind:
-            out.append(
-                f"{indent}{t} = tl.load({t}_ptr + rows * {t}_s0 + cols * {t}_s1, mask=mask, other=0.0).to(tl.float32)"
-            )
-        elif spec.kinds[t] == "col" and not row_kind:
-            out.append(
-                f"{indent}{t} = tl.load({t}_ptr + cols * {t}_s0, mask=cmask, other=0.0).to(tl.float32)"
-            )
+        for var, c in ((t, "cols"), (f"{t}__p", "pcols")):
+            if var != t and var not in needed:
+                continue
+            if spec.kinds[t] == "elem" and row_kind:
+                out.append(
+                    f"{indent}{var} = tl.load({t}_ptr + rows * {t}_s0 + {c} * {t}_s1, mask=mask, other=0.0).to(tl.float32)"
+                )
+            elif spec.kinds[t] == "col" and not row_kind:
+                out.append(
+                    f"{indent}{var} = tl.load({t}_ptr + {c} * {t}_s0, mask=cmask, other=0.0).to(tl.float32)"
+                )
     return out
+
+
+def _needed(*exprs) -> set:
+    return {s.name for e in exprs for s in sympy.sympify(e).free_symbols}
+
+
+def _rotation(indent: str, needed: set) -> list[str]:
+    """rotate_half's column map and sign, when a spelling rotates."""
+    if not any(n.endswith("__p") or n == "sgn" for n in needed):
+        return []
+    return [f"{indent}pcols = (cols + N // 2) % N", f"{indent}sgn = tl.where(cols < N // 2, -1.0, 1.0)"]
 
 
 def _args(spec: Spec) -> list[str]:
@@ -95,7 +112,9 @@ def forward_source(spec: Spec) -> str:
         f"{i}cmask = cols < N",
         f"{i}mask = rmask & cmask",
     ]
-    L += _loads(spec, i, row_kind=False) + _loads(spec, i, row_kind=True)
+    need = _needed(spec.output, *(r.summand for r in spec.reductions))
+    L += _rotation(i, need)
+    L += _loads(spec, i, row_kind=False, needed=need) + _loads(spec, i, row_kind=True, needed=need)
     for k, red in enumerate(spec.reductions):
         L.append(f"{i}# {red.symbol} = {'mean' if red.mean else 'sum'}_j({red.summand})")
         lines, (e,) = _cse_lines([red.summand], f"s{k}_", i)
@@ -137,7 +156,9 @@ def backward_source(spec: Spec, bwd: Backward) -> str:
         f"{i}cols = cols1[None, :]",
         f"{i}cmask = cols < N",
     ]
-    L += _loads(spec, i, row_kind=False)
+    need = _needed(*bwd.grads.values(), *(e for _, e in bwd.adjoints))
+    L += _rotation(i, need)
+    L += _loads(spec, i, row_kind=False, needed=need)
     cols_grads = [t for t in spec.tensors if spec.kinds[t] == "col"]
     L += [f"{i}acc_{t} = tl.full([BLOCK_N], 0.0, tl.float32)" for t in cols_grads]
     L += [
@@ -147,7 +168,11 @@ def backward_source(spec: Spec, bwd: Backward) -> str:
         f"{j}mask = rmask & cmask",
         f"{j}g = tl.load(g_ptr + rows * g_s0 + cols * g_s1, mask=mask, other=0.0).to(tl.float32)",
     ]
-    L += _loads(spec, j, row_kind=True)
+    if "g__p" in need:
+        L.append(
+            f"{j}g__p = tl.load(g_ptr + rows * g_s0 + pcols * g_s1, mask=mask, other=0.0).to(tl.float32)"
+        )
+    L += _loads(spec, j, row_kind=True, needed=need)
     for k, red in enumerate(spec.reductions):
         L.append(f"{j}{red.symbol} = tl.load(stats_ptr + rows * {K} + {k}, mask=rmask, other=1.0)")
     for a, summand in bwd.adjoints:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .spec import LOW, Spec
+from .spec import LOW, SGN, Spec, permuted
 from .sym import round_to, stabilize
 
 
@@ -32,6 +32,15 @@ class Backward:
 
 def _round_any(e, dt):
     return round_to(e, LOW.get(dt, "float32")) if dt is not None else e
+
+
+def _permute(e, spec: Spec):
+    """e evaluated at the rotated column: every per-element/per-column symbol read there instead
+    (row values and scalars stay), and the sign flips."""
+    movable = set(spec.tensors) | {"g"}
+    subs = {s: permuted(s) for s in e.free_symbols if s.name.removesuffix("__p") in movable}
+    subs[SGN] = -SGN
+    return e.xreplace(subs)
 
 
 def _local_derivatives(n) -> list:
@@ -76,6 +85,10 @@ def derive(spec: Spec) -> Backward:
             G = total if n.level == "col" else _round(total, n.dtype)  # col: rounded after the column sum
         if not n.inputs:  # a tensor argument
             grads[f"v_{n.name}"] = stabilize(G)
+            continue
+        if n.permuted:  # adjoint of the half-rotation: rotate the other way (by -theta)
+            (x,) = n.inputs
+            contrib.setdefault(id(x), []).append((-SGN * _permute(G, spec), n.level))
             continue
         if n.reduce is not None:
             (s,) = n.inputs

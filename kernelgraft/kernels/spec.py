@@ -44,6 +44,7 @@ class SNode:
     local: object = None  # callable on the inputs' sympy values
     reduce: str | None = None  # 'mean' | 'sum' for row reductions
     name: str = ""
+    permuted: bool = False  # rotate_half: the input read at column (j + N/2) mod N, sign -1 below N/2
 
 
 @dataclass
@@ -61,6 +62,15 @@ class Spec:
     rounding: str = "autograd"
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
+
+
+SGN = sympy.Symbol("sgn")  # -1 in the first half of a row, +1 in the second: rotate_half's sign
+
+
+def permuted(sym: sympy.Symbol) -> sympy.Symbol:
+    """x -> x read at the rotated column (and back: the half-rotation is an involution)."""
+    n = sym.name
+    return sympy.Symbol(n[:-3] if n.endswith("__p") else n + "__p")
 
 
 def _promote(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
@@ -169,6 +179,15 @@ def build_spec(
             val[n] = node(
                 rounded(x.value, target, explicit=True), target, x.level, (x,), lambda a: a, name=n.name
             )
+            continue
+        if n.op == "rotate_half":  # exact (a sign and a permutation): no rounding
+            x = arg(n.args[0])
+            if x.inputs or x.level not in ("elem", "col"):
+                raise Unsupported(
+                    "rotate_half of a computed value: kernels permute tensors as they load them"
+                )
+            val[n] = SNode(SGN * permuted(x.value), x.dtype, x.level, (x,), None, name=n.name, permuted=True)
+            nodes.append(val[n])
             continue
         if n.op in ("mean", "sum"):
             if n.attr("dims") != (-1,) or not n.attr("keepdim"):

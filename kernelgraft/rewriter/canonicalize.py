@@ -78,8 +78,33 @@ def _as_dims(dim, rank):
 
 
 def _rank(node: CNode | Any):
+    if isinstance(node, torch.Tensor):
+        return node.dim()
     m = node.meta if isinstance(node, CNode) else None
     return m.dim() if m is not None else None
+
+
+def _half_of(b, n, x: CNode, index) -> CNode | None:
+    """x[..., :D/2] or x[..., D/2:] -> half(x, part). D/2 is `x.shape[-1] // 2` in a pattern and a
+    number in a model graph, checked against the recorded last dim."""
+    if not (
+        isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
+    ):
+        return None
+    s = index[1]
+    if s.step not in (None, 1):
+        return None
+    bound, part = (s.stop, 0) if s.start in (None, 0) else (s.start, 1)
+    if isinstance(bound, torch.fx.Node):
+        bound = b.of_fx.get(bound)
+    if part == 1 and s.stop is not None:
+        return None
+    if isinstance(bound, CNode):
+        ok = bound.op == "half_dim" and bound.args[0] is x
+    else:
+        meta = x.meta
+        ok = isinstance(bound, int) and meta is not None and meta.shape[-1] == 2 * bound
+    return b.new("half", (x,), (("part", part),), fx=n) if ok else None
 
 
 class _Builder:
@@ -122,6 +147,34 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     target, args, kwargs = n.target, [b.arg(a) for a in n.args], {k: b.arg(v) for k, v in n.kwargs.items()}
     if target is getattr and len(args) == 2 and args[1] == "dtype":  # x.dtype in a traced pattern
         return b.new("dtype_of", (args[0],), fx=n)
+    if target is getattr and len(args) == 2 and args[1] == "shape":  # x.shape in a traced pattern
+        return b.new("shape_of", (args[0],), fx=n)
+    if target is operator.getitem and isinstance(args[0], CNode):
+        half = _half_of(b, n, args[0], args[1])
+        if half is not None:
+            return half
+        if args[0].op == "shape_of" and args[1] == -1:
+            return b.new("last_dim", (args[0].args[0],), fx=n)
+        if args[0].op == "chunk2" and args[1] in (0, 1):
+            return b.new("half", (args[0].args[0],), (("part", args[1]),), fx=n)
+    if (
+        target is operator.floordiv
+        and isinstance(args[0], CNode)
+        and args[0].op == "last_dim"
+        and args[1] == 2
+    ):
+        return b.new("half_dim", (args[0].args[0],), fx=n)
+    if target in (torch.cat, torch.concat) and len(args[0] if args else ()) == 2:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if dim == -1 or (dim is not None and _rank(n.meta.get("example_value")) == dim + 1):
+            return b.new("cat2", tuple(args[0]), fx=n)
+    if (
+        target in (torch.chunk, "chunk")
+        and len(args) >= 2
+        and args[1] == 2
+        and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) == -1
+    ):
+        return b.new("chunk2", (args[0],), fx=n)
     if n.op == "call_method" and target in _TRANSPARENT_METHODS:
         return b.alias(n, args[0])
     if n.op == "call_method" and target in _CAST_METHODS and not kwargs and len(args) == 1:
@@ -193,7 +246,25 @@ RULES: list[tuple[str, Any]] = [
         "div",
         lambda a, b: ("mul", (a, _fresh("rsqrt", b.args, b))) if _is(b, "sqrt") else None,
     ),  # a/sqrt(v) -> a*rsqrt(v)
+    (
+        "cat2",
+        lambda a, b: ("rotate_half", (b.args[0],)) if _rotates(a, b) else None,
+    ),  # cat(-x2, x1) -> rotate_half(x)
 ]
+
+
+def _rotates(a, b) -> bool:
+    """cat((-x[..., D/2:], x[..., :D/2])): the two halves of one tensor, the second negated."""
+    return (
+        _is(a, "neg")
+        and _is(a.args[0], "half")
+        and a.args[0].attr("part") == 1
+        and _is(b, "half")
+        and b.attr("part") == 0
+        and a.args[0].args[0] is b.args[0]
+    )
+
+
 _pending: list[CNode] = []
 
 
@@ -213,12 +284,28 @@ def _apply_rules(b: _Builder, n: CNode) -> None:
                 continue
             out = rule(*n.args)
             if out is not None:
+                old = n.args
                 n.op, n.args = out
+                _absorb(n, old)
                 for p in _pending:  # nodes a rule created go before the node that uses them
                     b.nodes.insert(b.nodes.index(n), p)
                 _pending.clear()
                 changed = True
                 break
+
+
+def _absorb(n: CNode, old_args) -> None:
+    """Nodes a rewrite made unreachable from n (the halves and the negation of a rotate_half) are
+    now part of what n stands for: replacing n must remove them too. If anything else reads them,
+    the matcher sees their fx nodes used outside the site and refuses the match."""
+    seen, stack = set(), [a for a in old_args if isinstance(a, CNode)]
+    while stack:
+        d = stack.pop()
+        if id(d) in seen or d.op == "input" or any(d is a for a in n.args):
+            continue
+        seen.add(id(d))
+        n.cover.extend(c for c in d.cover if c not in n.cover)
+        stack.extend(d.inputs())
 
 
 def _finish(b: _Builder, output) -> CGraph:

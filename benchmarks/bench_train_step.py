@@ -72,8 +72,6 @@ def step_bench(mode, B, S, steps):
     )
     if mode == "kernelgraft":
         out["sites"] = model.kernelgraft_report.counts()
-    del model
-    torch.cuda.empty_cache()
     return out
 
 
@@ -93,6 +91,7 @@ def main():
     for mode in a.modes.split(","):
         try:
             res["results"][mode] = step_bench(mode, 8, 2048, a.steps)
+            torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - a failing peer is reported, the others still run
             res["results"][mode] = dict(error=repr(e)[:300])
         print(mode, res["results"][mode], flush=True)

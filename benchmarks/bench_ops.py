@@ -72,7 +72,8 @@ def run(name, impls, inputs, truth_fn, floor_bytes):
     outs64 = outs64 if isinstance(outs64, tuple) else (outs64,)
     gens = [torch.randn_like(o, dtype=inputs[0].dtype) for o in outs64]
     grads64 = torch.autograd.grad(outs64, [t for t in t64 if t.requires_grad], [g.double() for g in gens])
-    for impl, f in impls.items():
+    # Liger writes gradients into its inputs and incoming gradients (in place): run it last
+    for impl, f in sorted(impls.items(), key=lambda kv: kv[0] == "liger"):
         gs = [g.clone() for g in gens]  # Liger may write into incoming gradients
         outs = f(*inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)

@@ -15,6 +15,9 @@ from . import rowkernel
 from .spec import build_spec
 
 _OPS: dict[str, GraftedOp] = {}
+# In every op name: inductor's on-disk caches key compiled graphs by op name, so a change to what an
+# op returns (shapes, strides of the fake implementation) must change the name. Bump it then.
+ABI = 2
 
 
 @dataclass
@@ -36,7 +39,7 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     """The custom op pair for `spelling`, defined on first use. rounding: 'autograd' rounds like
     eager PyTorch (the eager backend), 'fused' like inductor's fused kernels (the inductor backend)."""
     suffix = "" if rounding == "autograd" else f"__{rounding}"
-    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}{suffix}")
+    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}{suffix}_abi{ABI}")
     if name in _OPS:
         return _OPS[name]
     sp = spelling

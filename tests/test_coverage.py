@@ -66,7 +66,8 @@ def test_sites_match_the_model(arch):
 def test_loss_and_gradients_agree(arch, dtype):
     stock = tiny_model(arch, dtype)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
-    verdicts = compare_models(grafted, stock, batch())
+    # against eager alone: a stricter bound than max(eager, compile), and no CPU compile per model
+    verdicts = compare_models(grafted, stock, batch(), compiled=False)
     assert len(verdicts) == 1 + sum(1 for _ in stock.parameters())
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
@@ -82,7 +83,7 @@ def test_peft_lora(arch, dtype):
     cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
     stock = get_peft_model(tiny_model(arch, dtype), cfg)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
-    verdicts = compare_models(grafted, stock, batch())
+    verdicts = compare_models(grafted, stock, batch(), compiled=False)  # eager alone: stricter
     lora = [v for v in verdicts if "lora_" in v.what]
     assert len(lora) == 2 * 7 * stock.config.num_hidden_layers  # A and B of q,k,v,o,gate,up,down
     bad = [str(v) for v in verdicts if not v.ok]

@@ -105,8 +105,8 @@ def _config(M: int, N: int, device: torch.device) -> dict:
         warps = 4 if BN <= 2048 else (8 if BN <= 8192 else 16)
         return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=warps)
     # interpreter: numpy does the work per program, so blocks are large; but numpy sums a column of a
-    # block one row after another, so 32 rows at most keep per-column gradients as accurate as torch's
-    BM = max(1, min(triton.next_power_of_2(max(M, 1)), 32768 // BN, 32))
+    # block one row after another, so 8 rows at most keep per-column gradients as accurate as torch's
+    BM = max(1, min(triton.next_power_of_2(max(M, 1)), 32768 // BN, 8))
     return dict(BLOCK_M=BM, BLOCK_N=BN)
 
 

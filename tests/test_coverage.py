@@ -91,6 +91,20 @@ def test_peft_lora(arch, dtype):
     assert grafted.kernelgraft_report.counts()["rms_norm"] >= 5
 
 
+def test_near_misses_teach_on_cohere():
+    # Cohere normalizes with a LayerNorm (the mean is subtracted) and rotates interleaved pairs
+    model = tiny_model("cohere")
+    rep = kernelgraft.explain(model, **batch())
+    assert "rms_norm" not in rep.counts() and "rope" not in rep.counts()
+    norms = {m.module: m for m in rep.near_misses if m.pattern == "rms_norm"}
+    assert {"model.norm", "model.layers.0.input_layernorm"} <= set(norms)
+    nm = norms["model.norm"]
+    assert nm.matched >= nm.total - 1 and "got sub(" in nm.reason  # the first node that differed
+    ropes = [m for m in rep.near_misses if m.pattern == "rope"]
+    assert ropes and all("expected rotate_half(x)" in m.reason and "flatten" in m.reason for m in ropes)
+    assert "near misses" in str(rep)
+
+
 def coverage_table() -> str:
     """The README's table: for each architecture, the spellings kernelgraft finds and how often."""
     rows = [

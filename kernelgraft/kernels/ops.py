@@ -66,7 +66,8 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     def bwd_fake(grad, *rest):
         *args, stats, needs = rest
         return [
-            args[i].new_empty(args[i].shape) if need else args[i].new_empty(0) for i, need in zip(tensor_idx, needs)
+            args[i].new_empty(args[i].shape) if need else args[i].new_empty(0)
+            for i, need in zip(tensor_idx, needs)
         ]
 
     lib = f"kernelgraft::{name}"

@@ -47,6 +47,7 @@ class Failure:
     pnode: object = None
     mnode: object = None
     reason: str = ""
+    tensors: dict = field(default_factory=dict)  # pattern argument -> model node bound by then
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Matcher:
 
     def _fail(self, st: _State, p, m, reason: str) -> None:
         if len(st.pmap) > self.best.matched:
-            self.best = Failure(len(st.pmap), p, m, reason)
+            self.best = Failure(len(st.pmap), p, m, reason, dict(st.tensors))
 
     def unify(self, p, m, st: _State) -> Iterator[_State]:
         if isinstance(p, CNode) and p.op == "input":
@@ -202,6 +203,31 @@ class Matcher:
                         "replacing the site would compute it twice"
                     )
         return None
+
+
+def resemble(p, m, memo: dict) -> tuple[int, tuple | None]:
+    """How many pattern ops line up with the model graph below (p, m), bindings ignored, every
+    operand explored (the matcher stops at the first failing one): (ops aligned, first difference)."""
+    if not isinstance(p, CNode) or p.op == "input":
+        return 0, None
+    key = (id(p), id(m))
+    if key not in memo:
+        memo[key] = (0, (p, m))
+        if isinstance(m, CNode) and m.op == p.op and m.attrs == p.attrs:
+            orders = [m.args] + ([m.args[::-1]] if p.op in COMMUTATIVE and len(m.args) == 2 else [])
+            best = None
+            for margs in orders:
+                if len(margs) != len(p.args):
+                    continue
+                score, first = 1, None
+                for pa, ma in zip(p.args, margs):
+                    s, f = resemble(pa, ma, memo)
+                    score += s
+                    first = first or f
+                if best is None or score > best[0]:
+                    best = (score, first)
+            memo[key] = best or (1, (p, m))
+    return memo[key]
 
 
 _PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")

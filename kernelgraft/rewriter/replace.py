@@ -10,12 +10,12 @@ import operator
 
 import torch
 
-from ..ir import CGraph
+from ..ir import CGraph, CNode
 from ..kernels import Unsupported, op_for, row_kernel
 from ..kernels.rowkernel import MAX_N
 from ..patterns.registry import Site
 from .canonicalize import canonicalize
-from .match import Match, Matcher, describe, module_path
+from .match import Match, Matcher, describe, module_path, resemble
 from .report import NearMiss, RewriteReport, SiteRecord
 
 
@@ -87,10 +87,49 @@ def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) 
 _GENERIC = frozenset({"add", "sub", "mul", "div", "neg", "cast", "input"})
 
 
-def _distinctive(f, sp) -> bool:
-    """A near-miss must have matched an op that says something (a reduction, rsqrt, an activation),
-    not just a multiply or a cast that any code has."""
-    return f.matched > sum(1 for n in sp.canonical().nodes if n.op in _GENERIC and n.op != "input")
+def _fed_by_bound_input(first, tensors: dict, depth: int = 4) -> bool:
+    """The model node where the pattern differs computes from the tensor the rest of the match bound
+    to the same pattern argument (the other spelling of rotate_half(q) reads q): not unrelated code."""
+    p, m = first
+    names = set()
+    stack = [p]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, CNode):
+            if n.op == "input":
+                names.add(n.attr("name"))
+            stack.extend(n.inputs())
+    bound = {tensors[n].fx for n in names if n in tensors and tensors[n].fx is not None}
+    frontier = [m.fx] if isinstance(m, CNode) and m.fx is not None else []
+    for _ in range(depth):
+        if bound & set(frontier):
+            return True
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+    return bool(bound & set(frontier))
+
+
+def _near_miss(sp, n_ops: int, anchor, f) -> NearMiss | None:
+    """A failed attempt worth reporting: at least half the pattern lines up, and what lines up, or
+    where it differs, is an op that says something (a reduction, rsqrt, rotate_half, an activation),
+    not only multiplies and casts that any code has."""
+    pg = sp.canonical()
+    score, first = resemble(pg.output, anchor, {})
+    if f.matched >= score:  # the matcher got as far: its reason is the more precise one
+        score, first, reason = f.matched, (f.pnode, f.mnode), f.reason
+    else:
+        reason = f"expected {describe(first[0])}, got {describe(first[1])}" if first else f.reason
+    generic = sum(1 for n in pg.nodes if n.op in _GENERIC and n.op != "input")
+    differs_at_distinctive = (
+        first is not None
+        and isinstance(first[0], CNode)
+        and first[0].op not in _GENERIC
+        and _fed_by_bound_input(first, f.tensors)
+    )
+    if score < max(2, math.ceil(n_ops / 2)) or not (score > generic or differs_at_distinctive):
+        return None
+    expected = describe(first[0]) if first and first[0] is not None else ""
+    found = describe(first[1]) if first else ""
+    return NearMiss(sp.pattern, sp.name, module_path(anchor.fx), score, n_ops, expected, found, reason)
 
 
 def graft(
@@ -128,18 +167,11 @@ def graft(
                 _rewrite(gm, res, redirect, rounding)
     best: dict = {}
     for sp, n_ops, anchor, f in failures:
-        if anchor.fx in taken or f.matched < math.ceil(n_ops / 2) or not _distinctive(f, sp):
+        if anchor.fx in taken:
             continue
-        nm = NearMiss(
-            sp.pattern,
-            sp.name,
-            module_path(anchor.fx),
-            f.matched,
-            n_ops,
-            describe(f.pnode) if f.pnode is not None else "",
-            describe(f.mnode),
-            f.reason,
-        )
+        nm = _near_miss(sp, n_ops, anchor, f)
+        if nm is None:
+            continue
         key = (nm.module, sp.pattern)
         if key not in best or nm.matched > best[key].matched:
             best[key] = nm

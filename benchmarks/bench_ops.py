@@ -65,8 +65,6 @@ def swiglu_impls():
 def run(name, impls, inputs, truth_fn, floor_bytes):
     rows = {}
     leaves = [t for t in inputs if t.requires_grad]
-    with torch.no_grad():
-        pass
     t64 = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
     outs64 = truth_fn(*t64)
     outs64 = outs64 if isinstance(outs64, tuple) else (outs64,)

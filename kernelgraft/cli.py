@@ -18,36 +18,25 @@ EXAMPLES = """examples:
 """
 
 
+# (hidden, intermediate, layers, heads, kv heads, vocab, batch, seq): big enough on a GPU that
+# tokens/s mean something, small enough on a CPU to finish in seconds under the interpreter
+_DEMO_SIZES = {"cuda": (1024, 2816, 8, 16, 4, 32000, 8, 1024), "cpu": (128, 256, 2, 4, 2, 512, 4, 64)}
+
+
 def _tiny_llama_config(device: str):
     from transformers import LlamaConfig
 
-    if device == "cuda":  # big enough that tokens/s mean something
-        return (
-            LlamaConfig(
-                hidden_size=1024,
-                intermediate_size=2816,
-                num_hidden_layers=8,
-                num_attention_heads=16,
-                num_key_value_heads=4,
-                vocab_size=32000,
-                max_position_embeddings=2048,
-            ),
-            8,
-            1024,
-        )
-    return (
-        LlamaConfig(
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-            max_position_embeddings=256,
-        ),
-        4,
-        64,
+    H, inter, L, heads, kv, vocab, B, S = _DEMO_SIZES["cuda" if device == "cuda" else "cpu"]
+    cfg = LlamaConfig(
+        hidden_size=H,
+        intermediate_size=inter,
+        num_hidden_layers=L,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=2 * S,
     )
+    return cfg, B, S
 
 
 def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=sys.stdout) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from ..ir import CGraph, CNode
 from ..kernels import Unsupported, op_for, row_kernel
-from ..kernels.rowkernel import MAX_N
+from ..kernels.rowkernel import MAX_N, layout
 from ..patterns.registry import Site
 from .canonicalize import canonicalize
 from .match import Match, Matcher, describe, module_path, resemble
@@ -46,8 +46,6 @@ def _refusal(m: Match, rounding: str) -> str | None:
     if isinstance(N, int) and N > MAX_N:
         return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
     try:
-        from ..kernels.rowkernel import layout
-
         lay = layout(sp, metas)
         row_kernel(sp, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
     except (Unsupported, ValueError) as e:

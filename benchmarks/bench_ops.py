@@ -16,6 +16,7 @@ from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
 from kernelgraft.kernels import op_for
+from kernelgraft.kernels.ops import pair_op_for
 from kernelgraft.patterns import REGISTRY
 
 
@@ -41,11 +42,14 @@ def rope_impls():
         out["liger"] = liger_rotary_pos_emb
     except Exception as e:  # noqa: BLE001 - optional peer
         print("liger rope unavailable:", e)
-    op = op_for(REGISTRY.get("rope", "rotate_half"))
-    out["kernelgraft"] = lambda q, k, cos, sin: (
-        op(q, cos.unsqueeze(1), sin.unsqueeze(1)),
-        op(k, cos.unsqueeze(1), sin.unsqueeze(1)),
-    )
+    pair = pair_op_for(REGISTRY.get("rope", "rotate_half"))
+
+    def kg(q, k, cos, sin):  # what the rewriter puts in a layer: one launch for q and k, in place
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        yq, yk, _, _ = pair.fwd(q, cos, sin, k, cos, sin)
+        return yq, yk
+
+    out["kernelgraft"] = kg
     return out
 
 
@@ -95,8 +99,9 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(8, 32, 2048, 128, **bf).requires_grad_()
-    k = torch.randn(8, 8, 2048, 128, **bf).requires_grad_()
+    # HF's layout: q_proj(h).view(B, S, H, D).transpose(1, 2), a strided view
+    q = torch.randn(8, 2048, 32, 128, **bf).transpose(1, 2).requires_grad_()
+    k = torch.randn(8, 2048, 8, 128, **bf).transpose(1, 2).requires_grad_()
     ang = torch.randn(8, 2048, 128, device="cuda")
     cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
     qk_bytes = 2 * 2 * (q.numel() + k.numel()) * 2  # read q,k + write out, fwd and bwd (grads), bf16

@@ -31,6 +31,8 @@ ARCHS = [
     "mixtral",
     "qwen3_moe",
 ]
+# the same matrix on the GPU (compiled Triton instead of the interpreter): `pytest -m gpu`
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 README = Path(__file__).parent.parent / "README.md"
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
 
@@ -52,38 +54,45 @@ def expected_sites(model, b) -> dict:
     return {"rms_norm": len(calls), "rope": 2 * L, "gated_mlp": L}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sites_match_the_model(arch):
-    model = tiny_model(arch)
-    b = batch()
+def test_sites_match_the_model(arch, device):
+    model = tiny_model(arch, device=device)
+    b = batch(device=device)
     rep = kernelgraft.explain(model, **b)
     assert rep.counts() == expected_sites(model, b), str(rep)
     assert not rep.fallbacks and not rep.near_misses, str(rep)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_loss_and_gradients_agree(arch, dtype):
-    stock = tiny_model(arch, dtype)
+def test_loss_and_gradients_agree(arch, dtype, device):
+    stock = tiny_model(arch, dtype, device=device)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    b = batch(device=device)
     # against eager alone: a stricter bound than max(eager, compile), and no CPU compile per model
-    verdicts = compare_models(grafted, stock, batch(), compiled=False)
+    verdicts = compare_models(grafted, stock, b, compiled=False)
     assert len(verdicts) == 1 + sum(1 for _ in stock.parameters())
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
-    assert grafted.kernelgraft_report.counts() == expected_sites(stock, batch())
+    rep = grafted.kernelgraft_report
+    assert rep.counts() == expected_sites(stock, b)
+    L = stock.config.num_hidden_layers
+    assert sum(s.paired for s in rep.sites) == 2 * L  # q and k of each layer: one launch
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_peft_lora(arch, dtype):
+def test_peft_lora(arch, dtype, device):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
-    stock = get_peft_model(tiny_model(arch, dtype), cfg)
+    stock = get_peft_model(tiny_model(arch, dtype), cfg).to(device)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
-    verdicts = compare_models(grafted, stock, batch(), compiled=False)  # eager alone: stricter
+    verdicts = compare_models(grafted, stock, batch(device=device), compiled=False)  # eager alone: stricter
     lora = [v for v in verdicts if "lora_" in v.what]
     assert len(lora) == 2 * 7 * stock.config.num_hidden_layers  # A and B of q,k,v,o,gate,up,down
     bad = [str(v) for v in verdicts if not v.ok]

@@ -80,3 +80,26 @@ def test_models_on_gpu(arch, backend, dtype):
 def test_large_rows_loop_path_on_gpu(spelling):
     sp = REGISTRY.get("rms_norm", spelling)
     assert_ok(check_spelling(sp, (*inputs(16384, 4096, torch.bfloat16, device=CUDA), 1e-6), compile_ref=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paired_rope_in_place_layouts_on_gpu(dtype):
+    # Llama-3-8B attention at S=2048: q 32 heads, k 8, transposed views; cos/sin broadcast over heads
+    from kernelgraft.kernels.ops import pair_op_for
+
+    sp = REGISTRY.get("rope", "rotate_half")
+    B, S, D = 2, 2048, 128
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    q = torch.randn(B, S, 32, D, device=CUDA, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, S, 8, D, device=CUDA, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    ang = torch.randn(B, S, D // 2, device=CUDA, generator=g).repeat(1, 1, 2)
+    cos, sin = ang.cos().to(dtype).unsqueeze(1), ang.sin().to(dtype).unsqueeze(1)
+    yq, yk, _, _ = pair_op_for(sp).fwd(q, cos, sin, k, cos, sin)
+    single = op_for(sp)
+    assert torch.equal(yq, single(q, cos, sin)) and torch.equal(yk, single(k, cos, sin))
+    gq, gk = torch.randn_like(yq), torch.randn_like(yk)
+    paired = torch.autograd.grad([yq, yk], [q, k], [gq, gk])
+    separate = torch.autograd.grad([single(q, cos, sin), single(k, cos, sin)], [q, k], [gq, gk])
+    assert all(torch.equal(a, b) for a, b in zip(paired, separate))
+    verdicts = check_spelling(sp, (q, cos, sin), compile_ref=True)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]

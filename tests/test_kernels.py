@@ -13,8 +13,11 @@ from kernelgraft.patterns import REGISTRY
 
 def test_source_returns_forward_and_backward():
     src = kernelgraft.kernels.source("rms_norm")
-    assert src.forward.startswith("def rms_norm__llama_fwd(")
-    assert src.backward.startswith("def rms_norm__llama_bwd(")
+    # one row-block function, and entries for one launch per site and for a pair of sites
+    assert src.forward.startswith("@triton.jit\ndef rms_norm__llama_fwd_rows(")
+    assert "\ndef rms_norm__llama_fwd(" in src.forward and "\ndef rms_norm__llama_fwd2(" in src.forward
+    assert src.backward.startswith("@triton.jit\ndef rms_norm__llama_bwd_rows(")
+    assert "\ndef rms_norm__llama_bwd(" in src.backward and "\ndef rms_norm__llama_bwd2(" in src.backward
     assert "tl.rsqrt" in src.forward and "stats_ptr" in src.forward
     assert "acc_v_weight" in src.backward  # weight gradient: a column sum
     gem = kernelgraft.kernels.source("rms_norm", "gemma", dtype=torch.bfloat16)

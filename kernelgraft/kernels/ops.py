@@ -35,6 +35,17 @@ def _schema_args(sp) -> str:
     return ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in sp.arg_names)
 
 
+def _fake(sp, args, rounding):
+    """(out, row stats) as empty tensors of the right shapes and dtypes."""
+    tensors, _ = rowkernel.split_args(sp, args)
+    lay = rowkernel.layout(sp, tensors)
+    spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
+    dev = next(iter(tensors.values())).device
+    K = max(len(spec.reductions), 1)
+    out = torch.empty(lay.shape, dtype=spec.out_dtype, device=dev)
+    return out, torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
+
+
 def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     """The custom op pair for `spelling`, defined on first use. rounding: 'autograd' rounds like
     eager PyTorch (the eager backend), 'fused' like inductor's fused kernels (the inductor backend)."""
@@ -51,13 +62,7 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         return rowkernel.forward(sp, args, rounding)
 
     def fwd_fake(*args):
-        tensors, _ = rowkernel.split_args(sp, args)
-        lay = rowkernel.layout(sp, tensors)
-        spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
-        dev = next(iter(tensors.values())).device
-        K = max(len(spec.reductions), 1)
-        out = torch.empty(lay.shape, dtype=spec.out_dtype, device=dev)
-        return out, torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
+        return _fake(sp, args, rounding)
 
     def bwd_impl(grad, *rest):
         *args, stats, needs = rest
@@ -99,6 +104,125 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         grads = bwd_op(grad, *args, stats, needs)
         out = [None] * n_args
         for i, g, need in zip(tensor_idx, grads, needs):
+            out[i] = g if need else None
+        return tuple(out)
+
+    fwd.register_autograd(backward, setup_context=setup_context)
+    op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op)
+    _OPS[name] = op
+    return op
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
+    """Two sites of one spelling in one launch (q and k of a layer): kernelgraft::<name>_pair takes
+    the first site's arguments, then the second site's tensor arguments (scalars are shared), and
+    returns (out_0, out_1, stats_0, stats_1). Per-column arguments must be the same tensor in both
+    (the rewriter pairs sites only then); if at run time they are not, or the two sites' shapes
+    cannot share a launch, it makes two launches: same numbers."""
+    single = op_for(spelling, rounding)
+    name = f"{single.name}_pair"
+    if name in _OPS:
+        return _OPS[name]
+    sp = spelling
+    n_args = len(sp.arg_names)
+    tensor_idx = [i for i, a in enumerate(sp.arg_names) if a not in sp.scalar_names]
+    T = len(tensor_idx)
+
+    def split(args):
+        first = list(args[:n_args])
+        second = list(first)
+        for j, i in enumerate(tensor_idx):
+            second[i] = args[n_args + j]
+        return tuple(first), tuple(second)
+
+    def paired(a0, a1) -> bool:
+        t0, _ = rowkernel.split_args(sp, a0)
+        t1, _ = rowkernel.split_args(sp, a1)
+        l0, l1 = rowkernel.layout(sp, t0), rowkernel.layout(sp, t1)
+        if l0.kinds != l1.kinds or l0.N != l1.N or any(t0[n].dtype != t1[n].dtype for n in t0):
+            return False
+        return all(_same(t0[n], t1[n]) for n, k in l0.kinds.items() if k == "col")
+
+    def fwd_impl(*args):
+        a0, a1 = split(args)
+        if paired(a0, a1):
+            (o0, s0), (o1, s1) = rowkernel.forward_group(sp, [a0, a1], rounding)
+        else:
+            (o0, s0), (o1, s1) = rowkernel.forward(sp, a0, rounding), rowkernel.forward(sp, a1, rounding)
+        return o0, o1, s0, s1
+
+    def fwd_fake(*args):
+        a0, a1 = split(args)
+        (o0, s0), (o1, s1) = _fake(sp, a0, rounding), _fake(sp, a1, rounding)
+        return o0, o1, s0, s1
+
+    def bwd_impl(g0, g1, *rest):
+        *args, s0, s1, needs = rest
+        a0, a1 = split(args)
+        needs = list(needs)
+        n0, n1 = needs[:T], needs[T:]
+        if paired(a0, a1):
+            union = [a or b for a, b in zip(n0, n1)]
+            r0, r1 = rowkernel.backward_group(sp, [g0, g1], [a0, a1], [s0, s1], union, rounding)
+            # a shared per-column argument's gradient (the sum over both sites) is counted once
+            kinds = rowkernel.layout(sp, rowkernel.split_args(sp, a0)[0]).kinds
+            r1 = [torch.zeros_like(g) if kinds[n] == "col" and g.numel() else g for n, g in zip(kinds, r1)]
+        else:
+            r0 = rowkernel.backward(sp, g0, a0, s0, n0, rounding)
+            r1 = rowkernel.backward(sp, g1, a1, s1, n1, rounding)
+        return [g if need else g.new_empty(0) for g, need in zip([*r0, *r1], needs)]
+
+    def bwd_fake(g0, g1, *rest):
+        *args, s0, s1, needs = rest
+        a0, a1 = split(args)
+        ts = [a0[i] for i in tensor_idx] + [a1[i] for i in tensor_idx]
+        return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(ts, needs)]
+
+    second = ", ".join(f"Tensor {sp.arg_names[i]}_1" for i in tensor_idx)
+    lib = f"kernelgraft::{name}"
+    fwd = torch.library.custom_op(
+        lib,
+        fwd_impl,
+        mutates_args=(),
+        schema=f"({_schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)",
+    )
+    fwd.register_fake(fwd_fake)
+    bwd = torch.library.custom_op(
+        f"{lib}_bwd",
+        bwd_impl,
+        mutates_args=(),
+        schema=f"(Tensor grad_0, Tensor grad_1, {_schema_args(sp)}, {second}, Tensor stats_0, Tensor stats_1, "
+        "bool[] needs) -> Tensor[]",
+    )
+    bwd.register_fake(bwd_fake)
+    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
+    scalar_idx = [i for i, a in enumerate(sp.arg_names) if a in sp.scalar_names]
+    all_tensor_idx = tensor_idx + [n_args + j for j in range(T)]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*(inputs[i] for i in all_tensor_idx), output[2], output[3])
+        ctx.scalars = [inputs[i] for i in scalar_idx]
+
+    def backward(ctx, g0, g1, _s0, _s1):
+        *tensors, s0, s1 = ctx.saved_tensors
+        needs = [bool(ctx.needs_input_grad[i]) for i in all_tensor_idx]
+        args = [None] * (n_args + T)
+        for i, t in zip(all_tensor_idx, tensors):
+            args[i] = t
+        for i, s in zip(scalar_idx, ctx.scalars):
+            args[i] = s
+        grads = bwd_op(g0, g1, *args, s0, s1, needs)
+        out = [None] * (n_args + T)
+        for i, g, need in zip(all_tensor_idx, grads, needs):
             out[i] = g if need else None
         return tuple(out)
 

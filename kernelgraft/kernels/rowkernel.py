@@ -13,7 +13,7 @@ import torch
 import triton
 
 from .cache import load_module
-from .codegen import module_source
+from .codegen import GROUPS, module_source
 from .derive import Backward, derive
 from .spec import Spec, Unsupported, build_spec
 
@@ -37,13 +37,8 @@ class RowKernel:
                     f"device {device.type}: kernels run on cuda, or on cpu through Triton's interpreter"
                 )
             mod, _ = load_module(self.spec.name, self.source, interpret=device.type == "cpu")
-            py = getattr(mod, f"{self.spec.name}_{which}")
-            if device.type == "cuda":
-                self._compiled[key] = triton.jit(py)
-            else:
-                from triton.runtime.interpreter import InterpretedFunction
-
-                self._compiled[key] = InterpretedFunction(py)
+            # a JITFunction in the compiled instance, an InterpretedFunction in the interpreter's
+            self._compiled[key] = getattr(mod, f"{self.spec.name}_{which}")
         return self._compiled[key]
 
 
@@ -121,51 +116,118 @@ def _programs(n_blocks: int, device: torch.device) -> int:
     return max(1, min(n_blocks, MAX_PROGRAMS_CPU))
 
 
-def _flat(t: torch.Tensor, lay: Layout, kind: str) -> torch.Tensor:
-    if kind == "col":
-        return t.reshape(lay.N)
-    return t.expand(lay.shape).reshape(lay.M, lay.N)
+def _rows(
+    shape: torch.Size, tensors: list[torch.Tensor]
+) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
+    """The leading dims of `shape` collapsed to three (D0, D1, D2), with each tensor's strides over
+    them (0 where it broadcasts): the kernel reads transposed and broadcast arguments in place. Dims
+    merge where every tensor is contiguous across them; where more than three remain, the tensors are
+    copied to contiguous (correct, slower) -> (sizes, strides, the tensors as passed)."""
+    lead = list(shape[:-1])
+    views = [t.expand(shape) for t in tensors]
+    for _attempt in range(2):
+        keep = [i for i, s in enumerate(lead) if s != 1]
+        sizes = [lead[i] for i in keep]
+        strides = [[v.stride(i) for i in keep] for v in views]
+        k = len(sizes) - 1
+        while k > 0:
+            if all(st[k - 1] == st[k] * sizes[k] for st in strides):
+                sizes[k - 1 : k + 1] = [sizes[k - 1] * sizes[k]]
+                for st in strides:
+                    st[k - 1 : k + 1] = [st[k]]
+            k -= 1
+        if len(sizes) <= 3:
+            pad = 3 - len(sizes)
+            return [1] * pad + sizes, [[0] * pad + st for st in strides], views
+        views = [v.contiguous() for v in views]
+    raise AssertionError("contiguous tensors always collapse")  # pragma: no cover
 
 
-def _ptr_args(spec: Spec, flats: list[torch.Tensor]) -> list:
-    a = []
-    for name, t in zip(spec.tensors, flats):
-        a += [t, t.stride(0)] + ([t.stride(1)] if spec.kinds[name] == "elem" else [])
-    return a
+def _strided(v: torch.Tensor, st: list[int]) -> list:
+    return [v, *st, v.stride(-1)]
+
+
+@dataclass
+class _Group:
+    """One set of per-element tensors in a launch (q, or k), with its own shape."""
+
+    tensors: dict
+    lay: Layout
+
+
+def _groups(spelling, arg_sets: list[tuple]) -> tuple[list[_Group], list[float]]:
+    groups, scalars = [], None
+    for args in arg_sets:
+        tensors, sc = split_args(spelling, args)
+        groups.append(_Group(tensors, layout(spelling, tensors)))
+        scalars = sc if scalars is None else scalars
+    first = groups[0]
+    for g in groups[1:]:
+        if g.lay.kinds != first.lay.kinds or g.lay.N != first.lay.N:
+            raise ValueError(
+                f"{spelling.qualname}: grouped calls need the same row length and argument kinds "
+                f"(got N={first.lay.N} {first.lay.kinds} and N={g.lay.N} {g.lay.kinds})"
+            )
+        for n, t in g.tensors.items():
+            if t.dtype != first.tensors[n].dtype:
+                raise ValueError(f"{spelling.qualname}: grouped calls need one dtype per argument ({n})")
+    return groups, scalars
+
+
+def _kernel(spelling, g: _Group, rounding: str) -> RowKernel:
+    return row_kernel(spelling, {n: t.dtype for n, t in g.tensors.items()}, g.lay.kinds, rounding)
 
 
 def forward(spelling, args: tuple, rounding: str = "autograd") -> tuple[torch.Tensor, torch.Tensor]:
     """Run the generated forward on `args` (the spelling's arguments in order) -> (out, row stats)."""
-    tensors, scalars = split_args(spelling, args)
-    lay = layout(spelling, tensors)
-    k = row_kernel(spelling, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
-    dev = next(iter(tensors.values())).device
-    K = max(len(k.spec.reductions), 1)
-    out = torch.empty(lay.shape, dtype=k.spec.out_dtype, device=dev)
-    stats = torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
-    if lay.M == 0 or lay.N == 0:
-        return out, stats
-    if lay.N > MAX_N:
-        raise Unsupported(
-            f"rows of {lay.N} elements; generated kernels hold a row of at most {MAX_N} in registers"
+    return forward_group(spelling, [args], rounding)[0]
+
+
+def forward_group(
+    spelling, arg_sets: list[tuple], rounding: str = "autograd"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One launch for several argument sets that differ only in their per-element tensors (q and k
+    with shared cos, sin) -> [(out, row stats)] per set."""
+    groups, scalars = _groups(spelling, arg_sets)
+    if len(groups) not in GROUPS:
+        raise ValueError(
+            f"{spelling.qualname}: {len(groups)} groups in one launch; generated entries serve {GROUPS}"
         )
-    flats = [_flat(t, lay, lay.kinds[n]) for n, t in tensors.items()]
-    o = out.view(lay.M, lay.N)
-    cfg = _config(lay.M, lay.N, dev)
-    grid = (triton.cdiv(lay.M, cfg["BLOCK_M"]),)
-    k.fn("fwd", dev)[grid](
-        *_ptr_args(k.spec, flats),
-        *scalars,
-        o,
-        o.stride(0),
-        o.stride(1),
-        stats,
-        lay.M,
-        lay.N,
-        float(lay.N),
-        **cfg,
-    )
-    return out, stats
+    k = _kernel(spelling, groups[0], rounding)
+    first = next(iter(groups[0].tensors.values()))
+    dev = first.device
+    K = max(len(k.spec.reductions), 1)
+    N = groups[0].lay.N
+    results, gargs, total_rows = [], [], 0
+    for g in groups:
+        out = torch.empty(g.lay.shape, dtype=k.spec.out_dtype, device=dev)
+        stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
+        results.append((out, stats))
+        elems = [g.tensors[n] for n in g.tensors if g.lay.kinds[n] == "elem"]
+        sizes, strides, views = _rows(g.lay.shape, [*elems, out])
+        for v, st in zip(views, strides):
+            gargs += _strided(v, st)
+        gargs += [stats, g.lay.M if N else 0, sizes[1], sizes[2]]
+        total_rows += g.lay.M
+    if total_rows == 0 or N == 0:
+        return results
+    if N > MAX_N:
+        raise Unsupported(
+            f"rows of {N} elements; generated kernels hold a row of at most {MAX_N} in registers"
+        )
+    shared = []
+    for n, t in groups[0].tensors.items():
+        if groups[0].lay.kinds[n] == "col":
+            v = t.reshape(N)
+            shared += [v, v.stride(0)]
+    cfg = _config(max(g.lay.M for g in groups), N, dev)
+    grid = (sum(triton.cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
+    k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg)
+    return results
+
+
+def _entry(which: str, G: int) -> str:
+    return which if G == 1 else f"{which}{G}"
 
 
 def backward(
@@ -177,55 +239,85 @@ def backward(
     rounding: str = "autograd",
 ) -> list[torch.Tensor]:
     """Gradients of every tensor argument (an empty tensor where `needs` is False)."""
-    tensors, scalars = split_args(spelling, args)
-    lay = layout(spelling, tensors)
-    k = row_kernel(spelling, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
-    dev = grad.device
-    cfg = _config(lay.M, lay.N, dev)
-    nprog = _programs(triton.cdiv(max(lay.M, 1), cfg["BLOCK_M"]), dev)
-    grads, outs = [], []
-    for (n, t), need in zip(tensors.items(), needs):
-        kind = lay.kinds[n]
-        if not need:
-            buf = torch.empty((1, 1), dtype=torch.float32, device=dev)
-        elif kind == "col":
-            buf = torch.zeros((nprog, lay.N), dtype=torch.float32, device=dev)
-        else:  # a broadcast argument gets its full gradient, summed back to its shape below
-            buf = torch.empty((lay.M, lay.N), dtype=t.dtype, device=dev)
-        outs.append(buf)
-    if lay.M > 0 and lay.N > 0:
-        if lay.N > MAX_N:
-            raise Unsupported(f"rows of {lay.N} elements (max {MAX_N})")
-        flats = [_flat(t, lay, lay.kinds[n]) for n, t in tensors.items()]
-        g = grad.expand(lay.shape).reshape(lay.M, lay.N)
-        gargs = []
-        for n, buf in zip(tensors, outs):
-            gargs += [buf, buf.stride(0)] + ([buf.stride(1)] if lay.kinds[n] == "elem" else [])
+    return backward_group(spelling, [grad], [args], [stats], needs, rounding)[0]
+
+
+def backward_group(
+    spelling,
+    grads: list[torch.Tensor],
+    arg_sets: list[tuple],
+    stats: list[torch.Tensor],
+    needs: list[bool],
+    rounding: str = "autograd",
+) -> list[list[torch.Tensor]]:
+    """Gradients of every tensor argument of each argument set, in one launch. A per-column
+    argument is shared by the sets: its gradient, the sum over all of them, is returned in each."""
+    groups, scalars = _groups(spelling, arg_sets)
+    k = _kernel(spelling, groups[0], rounding)
+    kinds = groups[0].lay.kinds
+    names = list(groups[0].tensors)
+    N = groups[0].lay.N
+    dev = grads[0].device
+    cfg = _config(max(g.lay.M for g in groups), N, dev)
+    nprog = _programs(max(1, sum(triton.cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups)), dev)
+    dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)
+    col_bufs = {
+        n: torch.zeros((nprog, N), dtype=torch.float32, device=dev) if need else dummy
+        for n, need in zip(names, needs)
+        if kinds[n] == "col"
+    }
+    elem_bufs, gargs = [], []
+    for g, grad, st in zip(groups, grads, stats):
+        bufs = {
+            n: torch.empty(g.lay.shape, dtype=g.tensors[n].dtype, device=dev) if need else None
+            for n, need in zip(names, needs)
+            if kinds[n] == "elem"
+        }
+        elem_bufs.append(bufs)
+        elems = [g.tensors[n] for n in names if kinds[n] == "elem"]
+        outs = [b for b in bufs.values() if b is not None]
+        sizes, strides, views = _rows(g.lay.shape, [grad, *elems, *outs])
+        flat = [_strided(v, s) for v, s in zip(views, strides)]
+        gargs += [a for f in flat[: 1 + len(elems)] for a in f] + [st]
+        done = iter(flat[1 + len(elems) :])
+        for b in bufs.values():  # a gradient not needed: a dummy pointer the kernel never writes
+            gargs += next(done) if b is not None else [dummy, 0, 0, 0, 0]
+        gargs += [g.lay.M if N else 0, sizes[1], sizes[2]]
+    total_rows = sum(g.lay.M for g in groups)
+    if total_rows > 0 and N > 0:
+        if N > MAX_N:
+            raise Unsupported(f"rows of {N} elements (max {MAX_N})")
+        shared = []
+        for n in names:
+            if kinds[n] == "col":
+                v = groups[0].tensors[n].reshape(N)
+                shared += [v, v.stride(0)]
+        shared += scalars
+        for n in names:
+            if kinds[n] == "col":
+                shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
-        k.fn("bwd", dev)[(nprog,)](
-            g,
-            g.stride(0),
-            g.stride(1),
-            *_ptr_args(k.spec, flats),
-            *scalars,
-            stats,
-            *gargs,
-            lay.M,
-            lay.N,
-            float(lay.N),
-            **cfg,
-            **flags,
-        )
-    for (n, t), need, buf in zip(tensors.items(), needs, outs):
-        if not need:
-            grads.append(torch.empty(0, dtype=t.dtype, device=dev))
-        elif lay.kinds[n] == "col":
-            grads.append(buf.sum(0).to(t.dtype).view(t.shape))
-        elif tuple(t.shape) == tuple(lay.shape):
-            grads.append(buf.view(t.shape))
-        else:
-            grads.append(buf.view(lay.shape).float().sum_to_size(t.shape).to(t.dtype))
-    return grads
+        k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](*shared, *gargs, N, float(N), **cfg, **flags)
+    out = []
+    col_grads = {
+        n: col_bufs[n].sum(0).to(groups[0].tensors[n].dtype).view(groups[0].tensors[n].shape)
+        for n, need in zip(names, needs)
+        if kinds[n] == "col" and need
+    }
+    for g, bufs in zip(groups, elem_bufs):
+        res = []
+        for n, need in zip(names, needs):
+            t = g.tensors[n]
+            if not need:
+                res.append(torch.empty(0, dtype=t.dtype, device=dev))
+            elif kinds[n] == "col":
+                res.append(col_grads[n])
+            elif tuple(t.shape) == tuple(g.lay.shape):
+                res.append(bufs[n])
+            else:  # a broadcast argument: its full gradient, summed back to its shape
+                res.append(bufs[n].float().sum_to_size(t.shape).to(t.dtype))
+        out.append(res)
+    return out
 
 
 def split_args(spelling, args: tuple) -> tuple[dict, list]:

@@ -12,6 +12,7 @@ import torch
 
 from ..ir import CGraph, CNode
 from ..kernels import Unsupported, op_for, row_kernel
+from ..kernels.ops import pair_op_for
 from ..kernels.rowkernel import MAX_N, layout
 from ..patterns.registry import Site
 from .canonicalize import canonicalize
@@ -55,7 +56,7 @@ def _refusal(m: Match, rounding: str) -> str | None:
     return None
 
 
-def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) -> None:
+def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) -> torch.fx.Node:
     sp = m.spelling
     op = op_for(sp, rounding)
     args = []
@@ -80,7 +81,64 @@ def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) 
     for n in reversed(list(g.nodes)):  # erase what the op now computes, if nothing else reads it
         if n in m.covered and not n.users and n.op != "placeholder":
             g.erase_node(n)
+    return call
 
+
+def _plan_pairs(entries: list, dry_run: bool) -> list[tuple]:
+    """Which sites share a launch: sites of one spelling whose arguments are the same nodes but for
+    the first tensor (q and k of a layer, with one cos and sin), when the graph order allows it (the
+    first site's readers all come after the second site). entries: (record, spelling, node, args):
+    the custom-op call and None, or in a dry run the matched output and the bound arguments -> [(entry, entry)]."""
+    if len(entries) < 2:
+        return []
+    order = {n: i for i, n in enumerate(entries[0][2].graph.nodes)}
+
+    def args_of(e):
+        return e[2].args if e[3] is None else e[3]
+
+    def readers(node):
+        return list(node.users) if dry_run else [u for gi in node.users for u in gi.users]
+
+    by_key: dict = {}
+    for e in sorted(entries, key=lambda e: order[e[2]]):
+        args = args_of(e)
+        first = next(i for i, a in enumerate(args) if isinstance(a, torch.fx.Node))
+        key = (e[1], first, tuple(a for i, a in enumerate(args) if i != first))
+        by_key.setdefault(key, []).append(e)
+    pairs = []
+    for members in by_key.values():
+        while len(members) >= 2:
+            e0, e1 = members[0], members[1]
+            if any(order[u] < order[e1[2]] for u in readers(e0[2])):
+                members.pop(0)
+                continue
+            pairs.append((e0, e1))
+            members[:2] = []
+    return pairs
+
+
+def _pair_launches(gm: torch.fx.GraphModule, pairs: list, rounding: str) -> None:
+    """One paired custom-op call in place of each pair of single calls."""
+    g = gm.graph
+    for (r0, sp, c0, _), (r1, _, c1, _) in pairs:
+        pair = pair_op_for(sp, rounding)
+        tensor_args_1 = [a for a in c1.args if isinstance(a, torch.fx.Node)]
+        with g.inserting_before(c1):
+            pc = g.call_function(pair.fwd, (*c0.args, *tensor_args_1))
+            outs = [g.call_function(operator.getitem, (pc, i)) for i in (0, 1)]
+        for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if k in c1.meta:
+                pc.meta[k] = c1.meta[k]
+        for new, old in zip(outs, (c0, c1)):
+            (gi,) = old.users
+            new.meta.update({k: v for k, v in gi.meta.items() if k in _META})
+            gi.replace_all_uses_with(new)
+            g.erase_node(gi)
+            g.erase_node(old)
+        r0.paired = r1.paired = True
+
+
+_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "example_value")
 
 _GENERIC = frozenset({"add", "sub", "mul", "div", "neg", "cast", "input"})
 
@@ -140,6 +198,7 @@ def graft(
     taken: set = set()
     redirect: dict = {}
     failures = []
+    entries: list = []  # replaced sites, for pairing
     # larger spellings first: Gemma's (1 + w) norm is also OLMo-2's norm with weight := 1 + w, and the
     # more specific match takes more of the graph into the kernel
     for sp in sorted(spellings, key=lambda s: -len(s.canonical().nodes)):
@@ -162,7 +221,11 @@ def graft(
                 continue
             rep.sites.append(rec)
             if not dry_run:
-                _rewrite(gm, res, redirect, rounding)
+                call = _rewrite(gm, res, redirect, rounding)
+                entries.append((rec, sp, call, None))
+            else:
+                args = tuple(res.tensors[a].fx if a in res.tensors else res.scalars[a] for a in sp.arg_names)
+                entries.append((rec, sp, res.output.fx, args))
     best: dict = {}
     for sp, n_ops, anchor, f in failures:
         if anchor.fx in taken:
@@ -174,6 +237,12 @@ def graft(
         if key not in best or nm.matched > best[key].matched:
             best[key] = nm
     rep.near_misses = list(best.values())
+    pairs = _plan_pairs(entries, dry_run)
+    if dry_run:
+        for (r0, *_), (r1, *_) in pairs:
+            r0.paired = r1.paired = True
+    else:
+        _pair_launches(gm, pairs, rounding)
     if not dry_run and rep.sites:
         gm.graph.lint()
         gm.recompile()

@@ -17,12 +17,17 @@ class SiteRecord:
     replaced: bool = True
     reason: str = ""  # why it fell back, when it did
     graph: int = 0
+    paired: bool = False  # served by one launch together with a sibling site (q and k of a layer)
 
     def row(self) -> list[str]:
         shapes = ", ".join(f"{k}{list(v)}" for k, v in self.shapes.items())
         dtypes = ",".join(sorted(set(self.dtypes.values())))
         scal = ", ".join(f"{k}={v:g}" for k, v in self.scalars.items())
-        status = "replaced" if self.replaced else f"fell back: {self.reason}"
+        status = (
+            ("replaced, paired launch" if self.paired else "replaced")
+            if self.replaced
+            else f"fell back: {self.reason}"
+        )
         return [f"{self.pattern}.{self.spelling}", self.module, shapes, dtypes, scal, status]
 
 
@@ -57,6 +62,10 @@ class RewriteReport:
     def counts(self) -> dict[str, int]:
         """Pattern name -> number of sites replaced."""
         return dict(Counter(s.pattern for s in self.sites))
+
+    def launches(self) -> int:
+        """Kernel launches per forward: one per site, one per pair of paired sites."""
+        return len(self.sites) - sum(s.paired for s in self.sites) // 2
 
     def extend(self, other: RewriteReport, frame=None) -> None:
         """Add one capture's records. A recapture of the same dynamo frame (a recompile: new shapes,

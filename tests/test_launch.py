@@ -1,0 +1,169 @@
+"""How tensors reach the kernels: read in place through per-tensor strides (HF's transposed q and
+cos/sin broadcast over heads are never copied), and two sites in one launch (q and k of a layer)."""
+
+import pytest
+import torch
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+from kernelgraft.kernels import op_for, rowkernel
+from kernelgraft.kernels.ops import pair_op_for
+from kernelgraft.patterns import REGISTRY
+
+ROPE = REGISTRY.get("rope", "rotate_half")
+RMS = REGISTRY.get("rms_norm", "llama")
+
+
+def rope_inputs(B, H, S, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    ang = torch.randn(B, S, D // 2, generator=g).repeat(1, 1, 2)
+    return q, ang.cos().to(dtype).unsqueeze(1), ang.sin().to(dtype).unsqueeze(1)
+
+
+def rope_eager(q, cos, sin):
+    h = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., h:], q[..., :h]), dim=-1) * sin
+
+
+def test_hf_layouts_are_read_in_place():
+    q, cos, sin = rope_inputs(2, 4, 6, 8)
+    shape = q.shape
+    out = torch.empty(shape)
+    sizes, strides, views = rowkernel._rows(shape, [q, cos, sin, out])
+    assert [v.data_ptr() for v in views] == [t.data_ptr() for t in (q, cos, sin, out)]  # no copies
+    assert sizes == [2, 4, 6]
+    assert strides[0] == [6 * 4 * 8, 8, 4 * 8]  # q transposed: heads are the inner stride
+    assert strides[1] == [6 * 8, 0, 8] == strides[2]  # cos/sin: stride 0 over heads
+    assert strides[3] == [4 * 6 * 8, 6 * 8, 8]
+
+
+def test_contiguous_dims_collapse_and_unit_dims_drop():
+    x = torch.randn(3, 1, 5, 7, 16)
+    w = torch.randn(16)
+    sizes, strides, _ = rowkernel._rows(x.shape, [x])
+    assert sizes == [1, 1, 105] and strides == [[0, 0, 16]]
+    del w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_more_than_three_irregular_dims_fall_back_to_a_copy_and_stay_exact(dtype):
+    # 4 leading dims that no stride pattern merges: the launcher copies, numbers unchanged
+    base = torch.randn(2, 3, 4, 5, 16).to(dtype)
+    x = base.permute(3, 1, 0, 2, 4).detach().requires_grad_()
+    w = torch.randn(16).to(dtype).requires_grad_()
+    sizes, _, views = rowkernel._rows(x.shape, [x])
+    assert views[0].is_contiguous() and sizes == [1, 1, 120]
+    op = op_for(RMS)
+    y = op(x, w, 1e-6)
+    xc = x.detach().contiguous().requires_grad_()
+    assert torch.equal(y, op(xc, w, 1e-6))  # the same kernel on the same rows
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), g)
+    want = torch.autograd.grad(op(xc, w, 1e-6), (xc, w), g)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_on_strided_layouts_equals_eager_bitwise_in_fp32_math(dtype):
+    q, cos, sin = rope_inputs(2, 3, 5, 8, dtype)
+    y = op_for(ROPE)(q, cos, sin)
+    torch.testing.assert_close(y, rope_eager(q, cos, sin), rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paired_rope_equals_two_single_launches_bitwise(dtype, monkeypatch):
+    q, cos, sin = rope_inputs(2, 4, 5, 8, dtype, seed=1)
+    k, _, _ = rope_inputs(2, 2, 5, 8, dtype, seed=2)  # GQA: fewer k heads
+    launches = []
+    real = rowkernel.forward_group
+    monkeypatch.setattr(
+        rowkernel,
+        "forward_group",
+        lambda sp, sets, r="autograd": launches.append(len(sets)) or real(sp, sets, r),
+    )
+    yq, yk, _, _ = pair_op_for(ROPE).fwd(q, cos, sin, k, cos, sin)
+    assert launches == [2]
+    single = op_for(ROPE)
+    assert torch.equal(yq, single(q, cos, sin)) and torch.equal(yk, single(k, cos, sin))
+    gq, gk = torch.randn_like(yq), torch.randn_like(yk)
+    paired = torch.autograd.grad([yq, yk], [q, k], [gq, gk])
+    separate = torch.autograd.grad([single(q, cos, sin), single(k, cos, sin)], [q, k], [gq, gk])
+    for a, b in zip(paired, separate):
+        assert torch.equal(a, b)
+
+
+def test_paired_norm_counts_a_shared_weight_gradient_once():
+    g = torch.Generator().manual_seed(3)
+    x1 = torch.randn(3, 7, 16, generator=g, requires_grad=True)
+    x2 = torch.randn(5, 16, generator=g, requires_grad=True)
+    w = torch.randn(16, generator=g, requires_grad=True)
+    y1, y2, _, _ = pair_op_for(RMS).fwd(x1, w, 1e-6, x2, w)
+    single = op_for(RMS)
+    got = torch.autograd.grad(y1.sum() + (2 * y2).sum(), (x1, x2, w))
+    want = torch.autograd.grad(single(x1, w, 1e-6).sum() + (2 * single(x2, w, 1e-6)).sum(), (x1, x2, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_paired_call_with_different_weights_makes_two_launches_and_stays_right(monkeypatch):
+    launches = []
+    real = rowkernel.forward_group
+    monkeypatch.setattr(
+        rowkernel,
+        "forward_group",
+        lambda sp, sets, r="autograd": launches.append(len(sets)) or real(sp, sets, r),
+    )
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+    w1, w2 = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    y1, y2, _, _ = pair_op_for(RMS).fwd(x1, w1, 1e-6, x2, w2)
+    assert launches == [1, 1]
+    single = op_for(RMS)
+    assert torch.equal(y1, single(x1, w1, 1e-6)) and torch.equal(y2, single(x2, w2, 1e-6))
+    got = torch.autograd.grad(y1.sum() + y2.sum(), (w1, w2))
+    want = torch.autograd.grad(single(x1, w1, 1e-6).sum() + single(x2, w2, 1e-6).sum(), (w1, w2))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_llama_q_and_k_share_one_launch_per_layer(monkeypatch):
+    model, stock = tiny_model("llama"), tiny_model("llama")
+    sets = []
+    real = rowkernel.forward_group
+    monkeypatch.setattr(
+        rowkernel,
+        "forward_group",
+        lambda sp, s, r="autograd": sets.append((sp.pattern, len(s))) or real(sp, s, r),
+    )
+    kernelgraft.optimize(model, backend="eager")
+    b = batch()
+    verdicts = compare_models(model, stock, b, compiled=False)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+    L = model.config.num_hidden_layers
+    assert sets.count(("rope", 2)) == L and ("rope", 1) not in sets
+    rep = model.kernelgraft_report
+    assert rep.counts()["rope"] == 2 * L and sum(s.paired for s in rep.sites) == 2 * L
+    assert rep.launches() == len(rep.sites) - L
+
+
+class ReadsQBeforeK(torch.nn.Module):
+    """The rotated q is read before k is rotated (k depends on it): one launch cannot serve both."""
+
+    def forward(self, q, k, cos, sin):
+        q2 = rope_eager(q, cos, sin)
+        k = k * q2.mean()
+        return q2, rope_eager(k, cos, sin)
+
+
+def test_sites_whose_order_forbids_a_shared_launch_stay_separate():
+    q, cos, sin = rope_inputs(1, 2, 4, 8)
+    k, _, _ = rope_inputs(1, 2, 4, 8, seed=5)
+    m = ReadsQBeforeK()
+    rep = kernelgraft.explain(m, q, k, cos, sin)
+    assert rep.counts() == {"rope": 2} and not any(s.paired for s in rep.sites)
+    kernelgraft.optimize(m, backend="eager")
+    got = m(q, k, cos, sin)
+    want = ReadsQBeforeK.forward(None, q, k, cos, sin)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

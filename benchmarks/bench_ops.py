@@ -102,7 +102,8 @@ def main():
     # HF's layout: q_proj(h).view(B, S, H, D).transpose(1, 2), a strided view
     q = torch.randn(8, 2048, 32, 128, **bf).transpose(1, 2).requires_grad_()
     k = torch.randn(8, 2048, 8, 128, **bf).transpose(1, 2).requires_grad_()
-    ang = torch.randn(8, 2048, 128, device="cuda")
+    # HF's cos/sin: emb = cat(freqs, freqs), both halves equal (Liger's kernel reads only the first half)
+    ang = torch.randn(8, 2048, 64, device="cuda").repeat(1, 1, 2)
     cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
     qk_bytes = 2 * 2 * (q.numel() + k.numel()) * 2  # read q,k + write out, fwd and bwd (grads), bf16
     res = [run("RoPE q 8x32x2048x128, k 8x8x2048x128", rope_impls(), (q, k, cos, sin), hf_rope, qk_bytes)]

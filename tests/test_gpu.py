@@ -57,16 +57,22 @@ def test_deterministic():
 # torch.compile keeps fp32 between the residual add, the norm and RoPE inside one fused kernel,
 # while the grafted graph stores the norm's input, output and incoming gradient in bf16 at the cut.
 # Fusing those neighbours into the pattern is the fix (benchmarks issue); strict: a pass is news.
+# Llama passes since q and k share one launch read in place (second session, same card).
 _CUT = pytest.mark.xfail(strict=True, reason="bf16 precision lost at the fusion barrier under inductor")
 CASES = [
-    pytest.param(backend, dtype, marks=_CUT if (backend, dtype) == ("inductor", torch.bfloat16) else ())
+    pytest.param(
+        arch,
+        backend,
+        dtype,
+        marks=_CUT if (backend, dtype) == ("inductor", torch.bfloat16) and arch != "llama" else (),
+    )
+    for arch in ("llama", "gemma2", "qwen3")
     for backend in ("eager", "inductor")
     for dtype in (torch.float32, torch.bfloat16)
 ]
 
 
-@pytest.mark.parametrize("backend,dtype", CASES, ids=lambda v: str(v).split(".")[-1])
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("arch,backend,dtype", CASES, ids=lambda v: str(v).split(".")[-1])
 def test_models_on_gpu(arch, backend, dtype):
     stock = tiny_model(arch, dtype, device="cuda")
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)

@@ -167,3 +167,39 @@ def test_sites_whose_order_forbids_a_shared_launch_stay_separate():
     want = ReadsQBeforeK.forward(None, q, k, cos, sin)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class ReadsQBeforeKIsRotated(torch.nn.Module):
+    """Phi-3's order: both slices taken first, then q rotated and concatenated before k is rotated.
+    The rotated q is read early, but k's input already exists there: one launch at q's site."""
+
+    def forward(self, q, k, cos, sin):
+        q_rot, q_pass = q[..., :4], q[..., 4:]
+        k_rot, k_pass = k[..., :4], k[..., 4:]
+        q2 = torch.cat([rope_eager(q_rot, cos, sin), q_pass], dim=-1)
+        k2 = torch.cat([rope_eager(k_rot, cos, sin), k_pass], dim=-1)
+        return q2, k2
+
+
+def test_a_pair_launches_at_the_first_site_when_the_second_input_exists_there():
+    q, _, _ = rope_inputs(1, 2, 4, 8)
+    k, cos, sin = rope_inputs(1, 2, 4, 8, seed=5)
+    cos, sin = cos[..., :4], sin[..., :4]
+    m = ReadsQBeforeKIsRotated()
+    rep = kernelgraft.explain(m, q, k, cos, sin)
+    assert rep.counts() == {"rope": 2} and all(s.paired for s in rep.sites)
+    want = m(q, k, cos, sin)
+    kernelgraft.optimize(m, backend="eager")
+    got = m(q, k, cos, sin)
+    assert m.kernelgraft_report.launches() == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_an_unused_output_of_a_pair_gets_no_gradient_and_the_other_is_right():
+    q, cos, sin = rope_inputs(1, 2, 4, 8)
+    k, _, _ = rope_inputs(1, 2, 4, 8, seed=7)
+    yq, yk, _, _ = pair_op_for(ROPE).fwd(q, cos, sin, k, cos, sin)
+    dq, dk = torch.autograd.grad(yq.sum(), (q, k), allow_unused=True, materialize_grads=True)
+    (want,) = torch.autograd.grad(op_for(ROPE)(q, cos, sin).sum(), (q,))
+    assert torch.equal(dq, want) and torch.equal(dk, torch.zeros_like(k))

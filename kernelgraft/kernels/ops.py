@@ -92,8 +92,11 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(inputs[i] for i in tensor_idx), output[1])
         ctx.scalars = [inputs[i] for i in scalar_idx]
+        ctx.set_materialize_grads(False)  # no zero gradient allocated for the row statistics
 
     def backward(ctx, grad, _grad_stats):
+        if grad is None:  # the output did not reach the loss
+            return (None,) * n_args
         *tensors, stats = ctx.saved_tensors
         needs = [bool(ctx.needs_input_grad[i]) for i in tensor_idx]
         args = [None] * n_args
@@ -211,8 +214,11 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(inputs[i] for i in all_tensor_idx), output[2], output[3])
         ctx.scalars = [inputs[i] for i in scalar_idx]
+        ctx.set_materialize_grads(False)  # no zero gradient allocated for the row statistics
 
     def backward(ctx, g0, g1, _s0, _s1):
+        if g0 is None and g1 is None:
+            return (None,) * (n_args + T)
         *tensors, s0, s1 = ctx.saved_tensors
         needs = [bool(ctx.needs_input_grad[i]) for i in all_tensor_idx]
         args = [None] * (n_args + T)
@@ -220,6 +226,9 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
             args[i] = t
         for i, s in zip(scalar_idx, ctx.scalars):
             args[i] = s
+        a0, a1 = split(args)
+        g0 = g0 if g0 is not None else torch.zeros_like(_fake(sp, a0, rounding)[0])
+        g1 = g1 if g1 is not None else torch.zeros_like(_fake(sp, a1, rounding)[0])
         grads = bwd_op(g0, g1, *args, s0, s1, needs)
         out = [None] * (n_args + T)
         for i, g, need in zip(all_tensor_idx, grads, needs):

@@ -259,7 +259,10 @@ def backward_group(
     N = groups[0].lay.N
     dev = grads[0].device
     cfg = _config(max(g.lay.M for g in groups), N, dev)
-    nprog = _programs(max(1, sum(triton.cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups)), dev)
+    n_blocks = max(1, sum(triton.cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
+    # per-column gradients: a bounded number of programs, each summing its rows; none: one per block
+    has_cols = any(k == "col" for k in groups[0].lay.kinds.values())
+    nprog = _programs(n_blocks, dev) if has_cols else n_blocks
     dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)
     col_bufs = {
         n: torch.zeros((nprog, N), dtype=torch.float32, device=dev) if need else dummy

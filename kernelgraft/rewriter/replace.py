@@ -86,9 +86,9 @@ def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) 
 
 def _plan_pairs(entries: list, dry_run: bool) -> list[tuple]:
     """Which sites share a launch: sites of one spelling whose arguments are the same nodes but for
-    the first tensor (q and k of a layer, with one cos and sin), when the graph order allows it (the
-    first site's readers all come after the second site). entries: (record, spelling, node, args):
-    the custom-op call and None, or in a dry run the matched output and the bound arguments -> [(entry, entry)]."""
+    the first tensor (q and k of a layer, with one cos and sin), when the graph order allows it: at
+    the first site if the second's inputs exist there, else at the second if nothing read the first. entries: (record, spelling, node, args):
+    the custom-op call and None, or in a dry run the matched output and the bound arguments -> [(entry, entry, entry where the launch goes)]."""
     if len(entries) < 2:
         return []
     order = {n: i for i, n in enumerate(entries[0][2].graph.nodes)}
@@ -105,14 +105,21 @@ def _plan_pairs(entries: list, dry_run: bool) -> list[tuple]:
         first = next(i for i, a in enumerate(args) if isinstance(a, torch.fx.Node))
         key = (e[1], first, tuple(a for i, a in enumerate(args) if i != first))
         by_key.setdefault(key, []).append(e)
+
+    def inputs_of(e):
+        return [a for a in args_of(e) if isinstance(a, torch.fx.Node)]
+
     pairs = []
     for members in by_key.values():
         while len(members) >= 2:
             e0, e1 = members[0], members[1]
-            if any(order[u] < order[e1[2]] for u in readers(e0[2])):
+            if all(order[a] < order[e0[2]] for a in inputs_of(e1)):
+                pairs.append((e0, e1, e0))  # launch where the first site was: the second's inputs exist
+            elif all(order[u] > order[e1[2]] for u in readers(e0[2])):
+                pairs.append((e0, e1, e1))  # launch where the second site was: nothing read the first yet
+            else:
                 members.pop(0)
                 continue
-            pairs.append((e0, e1))
             members[:2] = []
     return pairs
 
@@ -120,10 +127,10 @@ def _plan_pairs(entries: list, dry_run: bool) -> list[tuple]:
 def _pair_launches(gm: torch.fx.GraphModule, pairs: list, rounding: str) -> None:
     """One paired custom-op call in place of each pair of single calls."""
     g = gm.graph
-    for (r0, sp, c0, _), (r1, _, c1, _) in pairs:
+    for (r0, sp, c0, _), (r1, _, c1, _), (_, _, at, _) in pairs:
         pair = pair_op_for(sp, rounding)
         tensor_args_1 = [a for a in c1.args if isinstance(a, torch.fx.Node)]
-        with g.inserting_before(c1):
+        with g.inserting_before(at):
             pc = g.call_function(pair.fwd, (*c0.args, *tensor_args_1))
             outs = [g.call_function(operator.getitem, (pc, i)) for i in (0, 1)]
         for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -239,7 +246,7 @@ def graft(
     rep.near_misses = list(best.values())
     pairs = _plan_pairs(entries, dry_run)
     if dry_run:
-        for (r0, *_), (r1, *_) in pairs:
+        for (r0, *_), (r1, *_), _ in pairs:
             r0.paired = r1.paired = True
     else:
         _pair_launches(gm, pairs, rounding)

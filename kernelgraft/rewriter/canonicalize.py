@@ -175,6 +175,16 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) == -1
     ):
         return b.new("chunk2", (args[0],), fx=n)
+    if target in (F.linear, torch._C._nn.linear):
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if bias is None and len(args) >= 2:
+            return b.new("linear", (args[0], args[1]), fx=n)
+    if target is F.cross_entropy:
+        return _cross_entropy(b, n, args, kwargs)
+    if target in ("view", "reshape", torch.reshape) and len(args) >= 2:
+        flat = _flatten_rows(n, args)
+        if flat is not None:
+            return b.new("flatten_rows", (args[0],), fx=n)
     if n.op == "call_method" and target in _TRANSPARENT_METHODS:
         return b.alias(n, args[0])
     if n.op == "call_method" and target in _CAST_METHODS and not kwargs and len(args) == 1:
@@ -220,6 +230,38 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     if op in UNARY and len(args) == 1 and not (set(kwargs) - {"inplace"}) and not kwargs.get("inplace"):
         return b.new(op, (args[0],), fx=n)
     return b.new(f"opaque:{op}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+
+
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+
+
+def _cross_entropy(b, n, args, kwargs) -> CNode:
+    """cross_entropy(input, target, ignore_index) with the reduction and the options that change
+    the math (class weights, label smoothing, legacy size_average/reduce) as attributes."""
+    bound = dict(zip(_CE_PARAMS, args))
+    bound.update(kwargs)
+    attrs = (
+        ("reduction", bound.get("reduction", "mean")),
+        ("weighted", bound.get("weight") is not None),
+        ("label_smoothing", float(bound.get("label_smoothing", 0.0) or 0.0)),
+        ("legacy", bound.get("size_average") is not None or bound.get("reduce") is not None),
+    )
+    ins = (bound.get("input"), bound.get("target"), bound.get("ignore_index", -100))
+    return b.new("cross_entropy", ins, attrs, fx=n)
+
+
+def _flatten_rows(n: torch.fx.Node, args) -> bool | None:
+    """x.view(-1, D) / x.reshape(-1, D) where D is x's last dim: rows of the last dim, flattened."""
+    x = args[0]
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    if len(shape) != 2 or shape[0] != -1 or not isinstance(x, CNode):
+        return None
+    if isinstance(shape[1], CNode):  # a traced pattern: x.shape[-1]
+        return True if shape[1].op == "last_dim" and shape[1].args[0] is x else None
+    src, out = x.meta, n.meta.get("example_value")
+    if src is None or out is None or src.dim() < 1:
+        return None
+    return True if out.dim() == 2 and src.shape[-1] == out.shape[-1] == shape[1] else None
 
 
 # ---- rewrite rules: canonical node -> an equivalent canonical spelling, or None ----------------

@@ -232,7 +232,16 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     return b.new(f"opaque:{op}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
 
 
-_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_CE_PARAMS = (
+    "input",
+    "target",
+    "weight",
+    "size_average",
+    "ignore_index",
+    "reduce",
+    "reduction",
+    "label_smoothing",
+)
 
 
 def _cross_entropy(b, n, args, kwargs) -> CNode:

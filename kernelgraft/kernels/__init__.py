@@ -6,10 +6,39 @@ from dataclasses import dataclass
 
 import torch
 
+from . import lm_head, ops
 from .cache import cache_dir
-from .ops import op_for
-from .rowkernel import row_kernel
+from .rowkernel import MAX_N, layout, row_kernel
 from .spec import Unsupported
+
+KERNELS = ("row", "lm_head_ce")  # the kernel families a spelling can name
+
+
+def op_for(spelling, rounding: str = "autograd"):
+    """The custom op serving `spelling` (defined on first use), from its kernel family."""
+    if spelling.kernel == "lm_head_ce":
+        return lm_head.op_for(spelling, rounding)
+    if spelling.kernel != "row":
+        raise ValueError(f"{spelling.qualname}: unknown kernel family {spelling.kernel!r}; known: {KERNELS}")
+    return ops.op_for(spelling, rounding)
+
+
+def refusal(spelling, metas: dict, rounding: str = "autograd", options: dict | None = None) -> str | None:
+    """Why the kernels cannot serve a site with these argument metas (None: they can)."""
+    if spelling.kernel == "lm_head_ce":
+        return lm_head.refusal(spelling, metas, rounding, options or {})
+    first = metas[spelling.tensor_names[0]]
+    N = first.shape[-1] if first.dim() else 1
+    if isinstance(N, int) and N > MAX_N:
+        return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
+    try:
+        lay = layout(spelling, metas)
+        row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
+    except (Unsupported, ValueError) as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong
+        return f"kernel generation failed: {type(e).__name__}: {e}"
+    return None
 
 
 @dataclass
@@ -47,4 +76,4 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     )
 
 
-__all__ = ["KernelSource", "Unsupported", "cache_dir", "op_for", "row_kernel", "source"]
+__all__ = ["KERNELS", "KernelSource", "Unsupported", "cache_dir", "op_for", "refusal", "row_kernel", "source"]

@@ -30,6 +30,11 @@ class GraftedOp:
     def __call__(self, *args):
         return self.fwd(*args)[0]
 
+    def bind(self, args: dict, metas: dict, options: dict) -> tuple:
+        """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
+        sp = self.spelling
+        return tuple(float(args[a]) if a in sp.scalar_names else args[a] for a in sp.arg_names)
+
 
 def _schema_args(sp) -> str:
     return ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in sp.arg_names)

@@ -44,6 +44,8 @@ class Spelling:
     arg_names: tuple[str, ...]
     scalar_names: frozenset[str]
     extra_check: Callable[[Site], str | None] | None = None
+    kernel: str = "row"  # the kernel family in kernels/ that serves it: "row" (generated) or a template
+    may_withhold: bool = False  # intermediates the graph returns may be withheld (the LM head's logits)
     _canonical: Any = field(default=None, repr=False)
 
     @property
@@ -125,12 +127,18 @@ def pattern(
     spelling: str | None = None,
     extra_check: Callable[[Site], str | None] | None = None,
     registry: Registry | None = None,
+    kernel: str = "row",
+    may_withhold: bool = False,
 ):
     """Register a plain PyTorch function as a spelling of pattern `name`.
 
     Arguments annotated `Scalar` are captured from the model graph (eps, scales); every other
     argument is a tensor. `extra_check(site)` may return a reason string to refuse a match that
     the kernel cannot serve (the site then keeps the stock code and the refusal is reported).
+    `kernel` names the kernel family that serves it: "row" (the generator: element-wise math and
+    row reductions) or "lm_head_ce" (linear + cross-entropy, chunked). `may_withhold=True` lets
+    the match take an intermediate that the graph also returns (the LM head's logits): the graph
+    then returns an empty tensor there, and optimize() turns it into an explicit error on use.
 
     >>> import torch, kernelgraft
     >>> from kernelgraft import Scalar
@@ -155,7 +163,16 @@ def pattern(
                 scalars.add(p.name)
         if not set(arg_names) - scalars:
             raise TypeError(f"kernelgraft.pattern({name!r}): {fn.__name__} takes no tensor argument")
-        sp = Spelling(name, spelling or fn.__name__, fn, tuple(arg_names), frozenset(scalars), extra_check)
+        sp = Spelling(
+            name,
+            spelling or fn.__name__,
+            fn,
+            tuple(arg_names),
+            frozenset(scalars),
+            extra_check,
+            kernel,
+            may_withhold,
+        )
         sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
         (registry or REGISTRY).add(sp)
         return sp

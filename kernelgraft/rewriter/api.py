@@ -12,13 +12,28 @@ from .report import RewriteReport
 
 
 def optimize(
-    model: torch.nn.Module, backend: str = "inductor", patterns=None, *, dynamic: bool | None = None
+    model: torch.nn.Module,
+    backend: str = "inductor",
+    patterns=None,
+    *,
+    dynamic: bool | None = None,
+    keep_logits: bool = False,
+    lm_head_chunk: int | None = None,
+    lm_head_accumulate: str = "fp32",
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object.
 
     State-dict keys, `save_pretrained`/`from_pretrained`, peft and Trainer keep working; other
     models in the process are untouched. The report of what each capture replaced accumulates in
     `model.kernelgraft_report`.
+
+    The LM head and its loss are fused in training (labels given, gradients on): the full logits
+    are never made, so `output.logits` is then a `WithheldLogits` that raises, saying so, when
+    used. `keep_logits=True` keeps them (the LM head is then not fused). Without labels, or under
+    `torch.no_grad()`, logits are returned as usual. `lm_head_chunk` sets the tokens per chunk
+    (default: a chunk of logits of at most 256 MiB); `lm_head_accumulate` is "fp32" (the weight
+    gradient summed in float32: as accurate as the unfused model) or "weight" (in the weight's
+    dtype: half the memory, less accurate).
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -29,14 +44,69 @@ def optimize(
         raise TypeError(f"kernelgraft.optimize: expected a torch.nn.Module, got {type(model).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"kernelgraft.optimize: backend must be one of {BACKENDS}, got {backend!r}")
-    grafter = Grafter(backend, patterns)
+    options = dict(
+        keep_logits=keep_logits, lm_head_chunk=lm_head_chunk, lm_head_accumulate=lm_head_accumulate
+    )
+    if lm_head_accumulate not in ("fp32", "weight"):
+        raise ValueError(
+            f"kernelgraft.optimize: lm_head_accumulate must be 'fp32' or 'weight', got {lm_head_accumulate!r}"
+        )
+    if lm_head_chunk is not None and (not isinstance(lm_head_chunk, int) or lm_head_chunk < 1):
+        raise ValueError(
+            f"kernelgraft.optimize: lm_head_chunk must be a positive number of tokens, got {lm_head_chunk!r}"
+        )
+    grafter = Grafter(backend, patterns, options=options)
     # what Module.compile does, through an entry function of this model's own (see fresh_entry)
     compiled = torch.compile(
         fresh_entry(f"{type(model).__name__}@{id(model):x}"), backend=grafter, dynamic=dynamic
     )
-    model._compiled_call_impl = functools.partial(compiled, model)
+    model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
     return model
+
+
+WITHHELD_MESSAGE = (
+    "kernelgraft fused the LM head with the loss, so these logits were never computed (that is the "
+    "memory saving). To get logits: call the model without labels, or under torch.no_grad(), or "
+    "optimize(model, keep_logits=True)."
+)
+
+
+class WithheldLogits(torch.Tensor):
+    """Stands where a training forward would have returned logits that the fused LM head never made:
+    any use raises an error that says how to get them."""
+
+    @staticmethod
+    def __new__(cls):
+        return torch.Tensor._make_subclass(cls, torch.empty(0), False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(WITHHELD_MESSAGE)
+
+    def __repr__(self) -> str:
+        return f"WithheldLogits({WITHHELD_MESSAGE})"
+
+    __str__ = __repr__
+
+
+def _withheld(v) -> bool:
+    return (
+        isinstance(v, torch.Tensor) and not isinstance(v, WithheldLogits) and v.dim() == 1 and v.numel() == 0
+    )
+
+
+def _call(compiled, model, *args, **kwargs):
+    out = compiled(model, *args, **kwargs)
+    if not any(s.withheld for s in model.kernelgraft_report.sites):
+        return out
+    if isinstance(out, dict) and _withheld(out.get("logits")):  # ModelOutput is a dict
+        out["logits"] = WithheldLogits()
+    elif (
+        isinstance(out, tuple) and len(out) > 1 and _withheld(out[1])
+    ):  # return_dict=False: (loss, logits, ...)
+        out = (out[0], WithheldLogits(), *out[2:])
+    return out
 
 
 def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteReport:
@@ -58,7 +128,8 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
-    grafter = Grafter("eager", patterns, dry_run=True)
+    # explain shows what a training step would get (the LM head fused) though it captures under no_grad
+    grafter = Grafter("eager", patterns, dry_run=True, options=dict(assume_training=True))
     with torch.no_grad():
         torch.compile(fresh_entry("explain"), backend=grafter)(model, *args, **kwargs)
     if grafter.report.graphs == 0:

@@ -36,19 +36,21 @@ class Grafter:
     [2.0, 2.0]
     """
 
-    def __init__(self, backend: str = "inductor", patterns=None, *, dry_run: bool = False):
+    def __init__(self, backend: str = "inductor", patterns=None, *, dry_run: bool = False, options=None):
         if backend not in BACKENDS:
             raise ValueError(f"kernelgraft: backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self.spellings = resolve_patterns(patterns)
         self.dry_run = dry_run
+        self.options = dict(options or {})
         self.report = RewriteReport()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         # the kernels round as the code around them will: eager's per-op rounding, or inductor's fused one
         rounding = "fused" if self.backend == "inductor" else "autograd"
         self.report.extend(
-            graft(gm, self.spellings, dry_run=self.dry_run, rounding=rounding), frame=_frame_id()
+            graft(gm, self.spellings, dry_run=self.dry_run, rounding=rounding, options=self.options),
+            frame=_frame_id(),
         )
         if self.backend == "inductor" and not self.dry_run:
             from torch._inductor.compile_fx import compile_fx

@@ -58,6 +58,7 @@ class Match:
     scalars: dict
     output: CNode
     covered: set = field(default_factory=set)  # fx nodes the replacement removes
+    withheld: list = field(default_factory=list)  # covered fx nodes the graph returns (may_withhold)
 
 
 def _is_number(a) -> bool:
@@ -85,9 +86,11 @@ def describe_arg(a) -> str:
 
 
 class Matcher:
-    def __init__(self, spelling, pattern: CGraph):
+    def __init__(self, spelling, pattern: CGraph, allow_withhold: bool = True):
         self.sp = spelling
         self.pg = pattern
+        # an intermediate the graph returns may be withheld when the spelling says so (logits)
+        self.withhold = allow_withhold and getattr(spelling, "may_withhold", False)
         self.n_ops = sum(1 for n in pattern.nodes if n.op != "input")
         self.best = Failure()
 
@@ -177,7 +180,10 @@ class Matcher:
                 covered = set()
                 for mn in st.pmap.values():
                     covered.update(mn.cover)
-                return Match(self.sp, st.pmap, st.tensors, st.scalars, anchor, covered)
+                withheld = [
+                    f for f in covered if f is not anchor.fx and any(u.op == "output" for u in f.users)
+                ]
+                return Match(self.sp, st.pmap, st.tensors, st.scalars, anchor, covered, withheld)
             self._fail(st, None, anchor, why)
         return self.best
 
@@ -197,6 +203,13 @@ class Matcher:
                 continue
             for fxn in mn.cover:
                 outside = [u for u in fxn.users if u not in covered]
+                if self.withhold:
+                    outside = [u for u in outside if u.op != "output"]
+                elif getattr(self.sp, "may_withhold", False) and any(u.op == "output" for u in outside):
+                    return (
+                        f"`{fxn.name}` is returned by the model and keep_logits=True: the fused kernel "
+                        "would not make it"
+                    )
                 if outside:
                     return (
                         f"intermediate `{fxn.name}` is also used by `{outside[0].name}` outside the pattern; "

@@ -11,9 +11,8 @@ import operator
 import torch
 
 from ..ir import CGraph, CNode
-from ..kernels import Unsupported, op_for, row_kernel
+from ..kernels import op_for, refusal
 from ..kernels.ops import pair_op_for
-from ..kernels.rowkernel import MAX_N, layout
 from ..patterns.registry import Site
 from .canonicalize import canonicalize
 from .match import Match, Matcher, describe, module_path, resemble
@@ -31,7 +30,7 @@ def _site_record(m: Match) -> SiteRecord:
     return SiteRecord(sp.pattern, sp.name, module_path(m.output.fx), shapes, dtypes, dict(m.scalars))
 
 
-def _refusal(m: Match, rounding: str) -> str | None:
+def _refusal(m: Match, rounding: str, options: dict) -> str | None:
     """Why the kernel cannot serve this site (None: it can)."""
     sp = m.spelling
     metas = {n: c.meta for n, c in m.tensors.items()}
@@ -42,30 +41,19 @@ def _refusal(m: Match, rounding: str) -> str | None:
         why = sp.extra_check(Site(sp.pattern, sp.name, metas, dict(m.scalars)))
         if why:
             return why
-    first = metas[sp.tensor_names[0]]
-    N = first.shape[-1] if first.dim() else 1
-    if isinstance(N, int) and N > MAX_N:
-        return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
-    try:
-        lay = layout(sp, metas)
-        row_kernel(sp, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
-    except (Unsupported, ValueError) as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong
-        return f"kernel generation failed: {type(e).__name__}: {e}"
-    return None
+    return refusal(sp, metas, rounding, options)
 
 
-def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) -> torch.fx.Node:
+def _rewrite(
+    gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str, options: dict
+) -> torch.fx.Node:
     sp = m.spelling
     op = op_for(sp, rounding)
-    args = []
-    for a in sp.arg_names:
-        if a in sp.scalar_names:
-            args.append(float(m.scalars[a]))
-        else:
-            fx = m.tensors[a].fx
-            args.append(redirect.get(fx, fx))
+    named = {
+        a: m.scalars[a] if a in sp.scalar_names else redirect.get(m.tensors[a].fx, m.tensors[a].fx)
+        for a in sp.arg_names
+    }
+    args = op.bind(named, {n: c.meta for n, c in m.tensors.items()}, options)
     out_fx = m.output.fx
     g = gm.graph
     with g.inserting_before(out_fx):
@@ -78,6 +66,16 @@ def _rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str) 
         new.meta["example_value"] = out_fx.meta["example_value"]
     out_fx.replace_all_uses_with(new)
     redirect[out_fx] = new
+    if m.withheld:  # what the graph returned there, the kernel never made: an empty marker instead
+        from ..kernels.lm_head import withheld_logits_op
+
+        like = args[0]
+        for w in m.withheld:
+            with g.inserting_before(out_fx):
+                marker = g.call_function(withheld_logits_op(), (like,))
+            for u in list(w.users):
+                if u.op == "output":
+                    u.replace_input_with(w, marker)
     for n in reversed(list(g.nodes)):  # erase what the op now computes, if nothing else reads it
         if n in m.covered and not n.users and n.op != "placeholder":
             g.erase_node(n)
@@ -196,10 +194,17 @@ def _near_miss(sp, n_ops: int, anchor, f) -> NearMiss | None:
 
 
 def graft(
-    gm: torch.fx.GraphModule, spellings, *, dry_run: bool = False, rounding: str = "autograd"
+    gm: torch.fx.GraphModule,
+    spellings,
+    *,
+    dry_run: bool = False,
+    rounding: str = "autograd",
+    options: dict | None = None,
 ) -> RewriteReport:
     """Run canonicalize -> match -> replace over one dynamo graph; edit it unless dry_run.
-    rounding: how the kernels round ('autograd' as eager PyTorch, 'fused' as inductor)."""
+    rounding: how the kernels round ('autograd' as eager PyTorch, 'fused' as inductor).
+    options: keep_logits (bool), lm_head_chunk (tokens), lm_head_accumulate ('fp32' | 'weight')."""
+    options = options or {}
     rep = RewriteReport(graphs=1)
     cg: CGraph = canonicalize(gm.graph)
     taken: set = set()
@@ -210,7 +215,7 @@ def graft(
     # more specific match takes more of the graph into the kernel
     for sp in sorted(spellings, key=lambda s: -len(s.canonical().nodes)):
         pg = sp.canonical()
-        matcher = Matcher(sp, pg)
+        matcher = Matcher(sp, pg, allow_withhold=not options.get("keep_logits", False))
         out = pg.output
         for anchor in [n for n in cg.nodes if n.op == out.op and n.attrs == out.attrs]:
             if anchor.fx in taken:
@@ -220,15 +225,16 @@ def graft(
                 failures.append((sp, matcher.n_ops, anchor, res))
                 continue
             rec = _site_record(res)
-            why = _refusal(res, rounding)
+            why = _refusal(res, rounding, options)
             taken |= res.covered
             if why:
                 rec.replaced, rec.reason = False, why
                 rep.fallbacks.append(rec)
                 continue
+            rec.withheld = [w.name for w in res.withheld]
             rep.sites.append(rec)
             if not dry_run:
-                call = _rewrite(gm, res, redirect, rounding)
+                call = _rewrite(gm, res, redirect, rounding, options)
                 entries.append((rec, sp, call, None))
             else:
                 args = tuple(res.tensors[a].fx if a in res.tensors else res.scalars[a] for a in sp.arg_names)

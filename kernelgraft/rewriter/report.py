@@ -18,6 +18,7 @@ class SiteRecord:
     reason: str = ""  # why it fell back, when it did
     graph: int = 0
     paired: bool = False  # served by one launch together with a sibling site (q and k of a layer)
+    withheld: list = field(default_factory=list)  # values the graph returned that the kernel never made
 
     def row(self) -> list[str]:
         shapes = ", ".join(f"{k}{list(v)}" for k, v in self.shapes.items())

@@ -1,0 +1,425 @@
+"""LM head + cross-entropy, fused: the full logits tensor is never held.
+
+The tokens are taken a chunk at a time. For one chunk:
+
+    z  = h_c @ W^T                     cuBLAS, in W's dtype (as the model's linear rounds)
+    y  = f(z)                          the spelling's logit transform (softcap, scale, cast), generated
+    loss_i = logsumexp_v(y_i) - y_i[t_i]     online max and sum over vocab blocks, one pass
+    dz = f'(z) * (softmax(y) - onehot(t)) * s   second pass, written over z in place
+    dh_c = dz @ W,  dW += dz^T @ h_c  cuBLAS
+
+so memory beyond the inputs and the gradients is one chunk of logits, sized from the shapes (or
+set). The gradients are formed in the forward, for a loss gradient of 1, and scaled in the
+backward by the loss's incoming gradient: exact when it is 1 (plain training and HF's Trainer),
+one extra rounding otherwise. s is 1 / (number of counted labels) for reduction="mean", or
+1 / num_items_in_batch for HF's sum-then-divide.
+
+The transform f and its derivative come from the sympy generator, with the spelling's rounding
+points (Gemma-2's softcap runs in bf16 in the model: each op rounds). The matmuls stay with cuBLAS.
+
+Weight-gradient accumulation over chunks (`accumulate`):
+    "fp32"   (default) an fp32 buffer of W's shape, rounded once at the end: the same error as the
+             unfused model (measured: tests/test_lm_head.py). Costs 4 bytes per weight element.
+    "weight" in W's dtype, rounded after every chunk: half the memory, an error that grows with
+             the number of chunks (bf16, 16 chunks: about 2x eager's).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..ir import CGraph, CNode
+from .cache import load_module
+from .codegen import HEADER, _cse_lines
+from .derive import derive
+from .spec import LOW, SERVED, Unsupported, build_spec
+from .sym import round_to
+
+ACCUMULATE = ("fp32", "weight")
+CHUNK_BYTES = 256 * 2**20  # default budget for one chunk of logits
+ABI = 1
+
+
+# ---- the logit transform, from the spelling ------------------------------------------------------
+
+
+@dataclass
+class Transform:
+    scalars: list[str]  # spelling arguments it reads (cap, scale), in order
+    fwd_lines: list[str]  # Triton lines computing y from v_x (and the scalars)
+    fwd: str
+    bwd_lines: list[str]  # Triton lines computing dx from v_x and g
+    bwd: str
+    out_dtype: torch.dtype  # what cross_entropy receives
+
+
+class _TransformSpelling:
+    """The slice of a spelling between its linear and its cross_entropy, as a spelling of its own."""
+
+    def __init__(self, spelling, graph: CGraph, scalars: list[str]):
+        self.pattern, self.name = spelling.pattern, f"{spelling.name}__logits"
+        self.qualname = f"{spelling.qualname}.logits"
+        self.arg_names = ("x", *scalars)
+        self.scalar_names = frozenset(scalars)
+        self.tensor_names = ("x",)
+        self._graph = graph
+
+    def canonical(self) -> CGraph:
+        return self._graph
+
+
+def parts(pg: CGraph) -> tuple[CNode, CNode]:
+    """The spelling's linear and cross_entropy nodes."""
+    lin = [n for n in pg.nodes if n.op == "linear"]
+    ce = [n for n in pg.nodes if n.op == "cross_entropy"]
+    if len(lin) != 1 or len(ce) != 1:
+        raise TypeError("an lm_head_ce spelling has one F.linear and one F.cross_entropy")
+    return lin[0], ce[0]
+
+
+def _transform_graph(spelling) -> tuple[CGraph, list[str]]:
+    pg = spelling.canonical()
+    lin, ce = parts(pg)
+    made: dict = {}
+    nodes: list[CNode] = []
+    scalars: list[str] = []
+    x = CNode("input", attrs=(("name", "x"), ("kind", "tensor")), name="x")
+    nodes.append(x)
+
+    def copy(n):
+        if not isinstance(n, CNode):
+            return n
+        if n is lin:
+            return x
+        if n in made:
+            return made[n]
+        if n.op == "flatten_rows":  # a view: the transform is element-wise
+            made[n] = copy(n.args[0])
+            return made[n]
+        if n.op == "input":
+            if n.attr("kind") != "scalar":
+                raise Unsupported(f"the logits are combined with the tensor `{n.attr('name')}`")
+            c = CNode("input", attrs=n.attrs, name=n.name)
+            scalars.append(n.attr("name"))
+        else:
+            c = CNode(n.op, tuple(copy(a) for a in n.args), n.attrs, name=n.name)
+        made[n] = c
+        nodes.append(c)
+        return c
+
+    out = copy(ce.args[0])
+    return CGraph(nodes, [n for n in nodes if n.op == "input"], out, {}), scalars
+
+
+@functools.cache
+def transform(spelling, dtype: torch.dtype, rounding: str) -> Transform:
+    graph, scalars = _transform_graph(spelling)
+    ts = _TransformSpelling(spelling, graph, scalars)
+    spec = build_spec(ts, {"x": dtype}, {"x": "elem"}, rounding)
+    if spec.reductions:
+        raise Unsupported("the logit transform reduces along the vocabulary")
+    bwd = derive(spec)
+    y = round_to(spec.output, LOW.get(spec.out_dtype, "float32"))
+    dx = round_to(bwd.grads["v_x"], LOW.get(dtype, "float32"))
+    fl, (fe,) = _cse_lines([y], "f", "        ")
+    bl, (be,) = _cse_lines([dx], "b", "            ")
+    return Transform([f"v_{s}" for s in scalars], fl, fe, bl, be, spec.out_dtype)
+
+
+# ---- the Triton kernel: per row, online logsumexp over vocab blocks, then the gradient -----------
+
+
+def kernel_source(name: str, tf: Transform, qual: str) -> str:
+    sc = "".join(f"{s}, " for s in tf.scalars)
+    pin = "".join(f"    {s} = tl.full([], {s}, tl.float32)\n" for s in tf.scalars)
+    fwd = "\n".join(tf.fwd_lines)  # indented for the first loop
+    fwd2 = "\n".join("    " + ln for ln in tf.fwd_lines)  # and for the second
+    bwd = "\n".join(tf.bwd_lines)
+    return (
+        HEADER.format(qual=qual, dtypes="logits: the weight's", kinds="rows of logits", out=str(tf.out_dtype))
+        + f"""
+
+@triton.jit
+def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one row (token) per program; z holds its logits, and on return (GRAD) their gradient
+{pin}    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(t_ptr + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    yt = tl.full([], 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        msk = c < V
+        v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
+{fwd}
+        y = tl.where(msk, {tf.fwd}, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(y, 0, tl.standard._elementwise_max))
+        s = s * tl.exp(m - m_new) + tl.reduce(tl.where(msk, tl.exp(y - m_new), 0.0), 0, tl.standard._sum_combine)
+        m = m_new
+        yt += tl.reduce(tl.where(c == t, y, 0.0), 0, tl.standard._sum_combine)
+    lse = m + tl.log(s)
+    valid = t != ignore_index
+    tl.store(loss_ptr + row, tl.where(valid, lse - yt, 0.0))
+    if GRAD:
+        k = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+        for v0 in range(0, V, BLOCK_V):
+            c = v0 + cols
+            msk = c < V
+            v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
+{fwd2}
+            g = (tl.exp({tf.fwd} - lse) - tl.where(c == t, 1.0, 0.0)) * k
+{bwd}
+            tl.store(z_ptr + row * z_s0 + c, {tf.bwd}, mask=msk)
+"""
+    )
+
+
+@functools.cache
+def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str):
+    tf = transform(spelling, dtype, rounding)
+    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
+    src = kernel_source(name, tf, spelling.qualname)
+    mod, _ = load_module(name, src, interpret=device_type == "cpu")
+    return getattr(mod, name), tf
+
+
+# ---- chunking ------------------------------------------------------------------------------------
+
+
+def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
+    """Tokens per chunk: `chunk` if given (> 0), else $KERNELGRAFT_LM_HEAD_CHUNK, else what keeps
+    one chunk of logits within CHUNK_BYTES (a multiple of 64 tokens when above 64)."""
+    if chunk <= 0:
+        chunk = int(os.environ.get("KERNELGRAFT_LM_HEAD_CHUNK", "0") or 0)
+    if chunk <= 0:
+        chunk = max(1, CHUNK_BYTES // max(1, V * itemsize))
+        if chunk > 64:
+            chunk -= chunk % 64
+    return max(1, min(chunk, max(T, 1)))
+
+
+def _block_v(V: int, device: torch.device) -> int:
+    cap = 4096 if device.type == "cuda" else 8192
+    return min(cap, triton.next_power_of_2(max(V, 1)))
+
+
+# ---- the op ----------------------------------------------------------------------------------------
+
+
+def forward(
+    spelling, h, W, target, divisor, scalars, ignore_index, needs_h, needs_w, chunk, accumulate, rounding
+):
+    """-> (loss, dh, dW): dh/dW for a loss gradient of 1, empty where not needed."""
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+    for name, t in (("h", h), ("weight", W)):
+        if t.dtype not in SERVED:
+            raise Unsupported(f"{name} is {t.dtype}; the fused LM head serves {SERVED}")
+    if h.dtype != W.dtype:
+        raise Unsupported(f"h is {h.dtype} and the weight {W.dtype}; the linear needs one dtype")
+    dev = h.device
+    fn, tf = _kernel(spelling, W.dtype, rounding, dev.type)
+    H, V = W.shape[1], W.shape[0]
+    h2 = h.reshape(-1, H)
+    t = target.reshape(-1)
+    T = h2.shape[0]
+    if t.numel() != T:
+        raise ValueError(f"{spelling.qualname}: {t.numel()} labels for {T} hidden rows")
+    grad = needs_h or needs_w
+    losses = torch.empty(T, dtype=torch.float32, device=dev)
+    counted = (t != int(ignore_index)).sum()
+    denom = counted.to(torch.float32) if divisor is None else divisor
+    scale = (1.0 / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
+    dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
+    acc32 = accumulate == "fp32" and W.dtype != torch.float32
+    dW = (
+        torch.zeros(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
+        if needs_w
+        else W.new_empty(0)
+    )
+    C = chunk_tokens(T, V, W.element_size(), chunk)
+    BV = _block_v(V, dev)
+    for c0 in range(0, T, C):
+        hc = h2[c0 : c0 + C]
+        z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
+        fn[(hc.shape[0],)](
+            z,
+            z.stride(0),
+            t[c0 : c0 + C],
+            losses[c0 : c0 + C],
+            scale,
+            *scalars,
+            V,
+            int(ignore_index),
+            GRAD=grad,
+            BLOCK_V=BV,
+        )
+        if needs_h:
+            torch.mm(z, W, out=dh[c0 : c0 + C])
+        if needs_w:
+            if acc32 and dev.type == "cuda":
+                torch.addmm(dW, z.t(), hc, out_dtype=torch.float32, out=dW)
+            elif acc32:
+                dW.addmm_(z.t().float(), hc.float())
+            else:
+                dW.addmm_(z.t(), hc)
+    loss = losses.sum() / denom
+    if needs_w and acc32:
+        dW = dW.to(W.dtype)
+    return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW
+
+
+_OPS: dict = {}
+
+
+@dataclass
+class LMHeadOp:
+    spelling: object
+    name: str
+    fwd: object
+
+    def bind(self, args: dict, metas: dict, options: dict) -> tuple:
+        """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
+        sp = self.spelling
+        h, w = metas.get("h"), metas.get("weight")
+        needs_h = bool(h is not None and h.requires_grad and torch.is_grad_enabled())
+        needs_w = bool(w is not None and w.requires_grad and torch.is_grad_enabled())
+        out = [args[a] if a not in sp.scalar_names else float(args[a]) for a in sp.arg_names]
+        return (
+            *out,
+            needs_h,
+            needs_w,
+            int(options.get("lm_head_chunk", 0) or 0),
+            options.get("lm_head_accumulate", "fp32"),
+        )
+
+
+def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
+    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}__{rounding}_abi{ABI}")
+    if name in _OPS:
+        return _OPS[name]
+    sp = spelling
+    names = list(sp.arg_names)
+    n_args = len(names)
+    tf_scalars = None
+
+    def unpack(args):
+        nonlocal tf_scalars
+        named = dict(zip(names, args[:n_args]))
+        needs_h, needs_w, chunk, accumulate = args[n_args:]
+        if tf_scalars is None:
+            graph, tf_scalars = _transform_graph(sp)
+        return named, needs_h, needs_w, chunk, accumulate
+
+    def impl(*args):
+        named, needs_h, needs_w, chunk, accumulate = unpack(args)
+        return forward(
+            sp,
+            named["h"],
+            named["weight"],
+            named["target"],
+            named.get("n"),
+            [float(named[s]) for s in tf_scalars],
+            named["ignore_index"],
+            needs_h,
+            needs_w,
+            chunk,
+            accumulate,
+            rounding,
+        )
+
+    def fake(*args):
+        named, needs_h, needs_w, _, _ = unpack(args)
+        h, W = named["h"], named["weight"]
+        out_dt = _out_dtype(sp, W.dtype)
+        return (
+            h.new_empty((), dtype=out_dt),
+            torch.empty_like(h) if needs_h else h.new_empty(0),
+            torch.empty_like(W) if needs_w else W.new_empty(0),
+        )
+
+    schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
+    lib = f"kernelgraft::{name}"
+    op = torch.library.custom_op(
+        lib,
+        impl,
+        mutates_args=(),
+        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate) -> (Tensor, Tensor, Tensor)",
+    )
+    op.register_fake(fake)
+    h_idx, w_idx = names.index("h"), names.index("weight")
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output[1], output[2])
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, g, _dh, _dw):
+        grads = [None] * (n_args + 4)
+        if g is None:
+            return tuple(grads)
+        dh, dW = ctx.saved_tensors
+        if ctx.needs_input_grad[h_idx] and dh.numel():
+            grads[h_idx] = dh * g
+        if ctx.needs_input_grad[w_idx] and dW.numel():
+            grads[w_idx] = dW * g
+        return tuple(grads)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    res = LMHeadOp(sp, name, getattr(torch.ops.kernelgraft, name).default)
+    _OPS[name] = res
+    return res
+
+
+def _out_dtype(spelling, dtype: torch.dtype) -> torch.dtype:
+    try:
+        return transform(spelling, dtype, "autograd").out_dtype
+    except Unsupported:
+        return dtype
+
+
+def refusal(spelling, metas: dict, rounding: str, options: dict) -> str | None:
+    """Why the fused LM head cannot serve this site (None: it can)."""
+    h, W, t = metas.get("h"), metas.get("weight"), metas.get("target")
+    if h is None or W is None or t is None:
+        return "no shape/dtype recorded for h, weight or target"
+    if not torch.is_grad_enabled() and not options.get("assume_training"):
+        return "captured without gradients (evaluation): the logits are returned, nothing to fuse"
+    if W.dim() != 2 or h.shape[-1] != W.shape[1]:
+        return f"weight {tuple(W.shape)} does not multiply h {tuple(h.shape)}"
+    if h.dtype != W.dtype or W.dtype not in SERVED:
+        return f"h is {h.dtype} and the weight {W.dtype}; the fused LM head serves one of {SERVED}"
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        return f"target is {t.dtype}; class indices (integers) are served, probabilities are not"
+    if len({x.device.type for x in (h, W, t)}) > 1:
+        return "h, weight and target are on different devices"
+    if W.device.type not in ("cuda", "cpu"):
+        return f"device {W.device.type}: kernels run on cuda, or on cpu through Triton's interpreter"
+    try:
+        transform(spelling, W.dtype, rounding)
+    except Unsupported as e:
+        return str(e)
+    return None
+
+
+def withheld_logits_op():
+    """kernelgraft::withheld_logits: what the graph returns in place of logits the fused LM head
+    never made (an empty tensor; optimize() turns it into an explicit error on use)."""
+    return torch.ops.kernelgraft.withheld_logits.default
+
+
+@torch.library.custom_op("kernelgraft::withheld_logits", mutates_args=())
+def _withheld(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+@_withheld.register_fake
+def _(like):
+    return like.new_empty(0)

@@ -1,0 +1,84 @@
+"""LM head + cross-entropy: `cross_entropy(linear(h, W) [transformed], target)`, served by a fused,
+chunked kernel (kernels/lm_head.py) that never holds the full logits.
+
+Spellings, as Hugging Face's `ForCausalLMLoss` and hand-written loops write them:
+- the logits upcast with `.float()` (HF), or passed as they are (a plain loop);
+- reduction "mean" (labels counted where not ignore_index), or "sum" divided by
+  `num_items_in_batch` (HF with gradient accumulation: a tensor, or a Python number);
+- the logit transform in between: none, Gemma-2/3's softcap `cap * tanh(z / cap)`, Granite's
+  `z / logits_scaling`, Cohere's `z * logit_scale`.
+The labels' padding and shift happen before and stay stock code: `target` is whatever
+cross_entropy receives. Class weights, label smoothing and reduction="none" are not spelled here,
+so those sites keep the stock code (explain reports the near miss). In training, the graph's
+`logits` output is withheld (see `kernelgraft.optimize(keep_logits=...)`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .registry import Scalar, pattern
+
+_LM = dict(kernel="lm_head_ce", may_withhold=True)
+
+
+def _ce(z, target, ignore_index, reduction):
+    return F.cross_entropy(z.view(-1, z.shape[-1]), target, ignore_index=ignore_index, reduction=reduction)
+
+
+# --- no transform (Llama, Mistral, Qwen, Phi-3, OLMo-2, Mixtral, Gemma-1...) ---
+
+
+@pattern("lm_head_ce", spelling="hf_mean", **_LM)
+def hf_mean(h, weight, target, ignore_index: Scalar):
+    return _ce(F.linear(h, weight).float(), target, ignore_index, "mean")
+
+
+@pattern("lm_head_ce", spelling="hf_sum_n", **_LM)
+def hf_sum_n(h, weight, target, n, ignore_index: Scalar):
+    return _ce(F.linear(h, weight).float(), target, ignore_index, "sum") / n
+
+
+@pattern("lm_head_ce", spelling="plain_mean", **_LM)
+def plain_mean(h, weight, target, ignore_index: Scalar):
+    return _ce(F.linear(h, weight), target, ignore_index, "mean")
+
+
+# --- softcap (Gemma-2, Gemma-3) ---
+
+
+@pattern("lm_head_ce", spelling="softcap_mean", **_LM)
+def softcap_mean(h, weight, target, cap: Scalar, ignore_index: Scalar):
+    z = torch.tanh(F.linear(h, weight) / cap) * cap
+    return _ce(z.float(), target, ignore_index, "mean")
+
+
+@pattern("lm_head_ce", spelling="softcap_sum_n", **_LM)
+def softcap_sum_n(h, weight, target, n, cap: Scalar, ignore_index: Scalar):
+    z = torch.tanh(F.linear(h, weight) / cap) * cap
+    return _ce(z.float(), target, ignore_index, "sum") / n
+
+
+# --- divided by logits_scaling (Granite) ---
+
+
+@pattern("lm_head_ce", spelling="divscale_mean", **_LM)
+def divscale_mean(h, weight, target, scale: Scalar, ignore_index: Scalar):
+    return _ce((F.linear(h, weight) / scale).float(), target, ignore_index, "mean")
+
+
+@pattern("lm_head_ce", spelling="divscale_sum_n", **_LM)
+def divscale_sum_n(h, weight, target, n, scale: Scalar, ignore_index: Scalar):
+    return _ce((F.linear(h, weight) / scale).float(), target, ignore_index, "sum") / n
+
+
+# --- multiplied by logit_scale (Cohere) ---
+
+
+@pattern("lm_head_ce", spelling="mulscale_mean", **_LM)
+def mulscale_mean(h, weight, target, scale: Scalar, ignore_index: Scalar):
+    return _ce((F.linear(h, weight) * scale).float(), target, ignore_index, "mean")
+
+
+@pattern("lm_head_ce", spelling="mulscale_sum_n", **_LM)
+def mulscale_sum_n(h, weight, target, n, scale: Scalar, ignore_index: Scalar):
+    return _ce((F.linear(h, weight) * scale).float(), target, ignore_index, "sum") / n

@@ -17,9 +17,11 @@ def check_spelling(
     compile_ref: bool = True,
     seed: int = 0,
     rounding: str = "autograd",
+    op=None,
 ) -> list[Verdict]:
     """Output and every gradient of the kernel vs float64 truth, next to eager and torch.compile of
-    the spelling in the working dtype. Returns one Verdict per compared quantity.
+    the spelling in the working dtype. Returns one Verdict per compared quantity. `op`: the callable
+    to check (default: the spelling's own kernel op).
 
     >>> import torch, kernelgraft
     >>> from kernelgraft.gradcheck import check_spelling
@@ -30,7 +32,7 @@ def check_spelling(
     """
     from ..kernels import op_for
 
-    op = op_for(spelling, rounding)
+    op = op if op is not None else op_for(spelling, rounding)
     ref = spelling.fn
     g = _grad(ref, args, grad_out, seed)
     truth, tgrads = run_with_grads(ref, args, g, truth=True)

@@ -27,6 +27,7 @@ Weight-gradient accumulation over chunks (`accumulate`):
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -214,9 +215,21 @@ def _block_v(V: int, device: torch.device) -> int:
 
 
 def forward(
-    spelling, h, W, target, divisor, scalars, ignore_index, needs_h, needs_w, chunk, accumulate, rounding
+    spelling,
+    h,
+    W,
+    target,
+    divisor,
+    scalars,
+    ignore_index,
+    needs_h,
+    needs_w,
+    chunk,
+    accumulate,
+    rounding,
+    grad_scale: float = 1.0,
 ):
-    """-> (loss, dh, dW): dh/dW for a loss gradient of 1, empty where not needed."""
+    """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale`, empty where not needed."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     for name, t in (("h", h), ("weight", W)):
@@ -236,7 +249,7 @@ def forward(
     losses = torch.empty(T, dtype=torch.float32, device=dev)
     counted = (t != int(ignore_index)).sum()
     denom = counted.to(torch.float32) if divisor is None else divisor
-    scale = (1.0 / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
+    scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
     dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32
     dW = (
@@ -284,6 +297,18 @@ class LMHeadOp:
     spelling: object
     name: str
     fwd: object
+    chunk: int = 0  # tokens per chunk when called directly (0: from the shapes)
+    accumulate: str = "fp32"
+
+    def __call__(self, *args):
+        """The loss, from the spelling's own arguments (what gradcheck and benchmarks call)."""
+        named = dict(zip(self.spelling.arg_names, args))
+        g = torch.is_grad_enabled()
+        flags = (g and named["h"].requires_grad, g and named["weight"].requires_grad)
+        return self.fwd(*args, *flags, self.chunk, self.accumulate)[0]
+
+    def configured(self, chunk: int = 0, accumulate: str = "fp32") -> LMHeadOp:
+        return LMHeadOp(self.spelling, self.name, self.fwd, chunk, accumulate)
 
     def bind(self, args: dict, metas: dict, options: dict) -> tuple:
         """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
@@ -345,6 +370,7 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
             torch.empty_like(W) if needs_w else W.new_empty(0),
         )
 
+    tensor_idx = [i for i, a in enumerate(names) if a not in sp.scalar_names]
     schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
     lib = f"kernelgraft::{name}"
     op = torch.library.custom_op(
@@ -356,8 +382,48 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
     op.register_fake(fake)
     h_idx, w_idx = names.index("h"), names.index("weight")
 
+    def bwd_impl(g, dh, dW, *args):
+        """The gradients for the loss's incoming gradient g. Scaling by a power of two (1 in plain
+        training, a loss scale) is exact; any other g makes the gradients again with g folded into
+        the softmax gradient before its rounding, as the unfused model does (one more pass)."""
+        gv = float(g)
+        mant, _ = math.frexp(gv)
+        if gv == 0.0 or abs(mant) == 0.5:
+            return dh * gv, dW * gv
+        named, needs_h, needs_w, chunk, accumulate = unpack(args)
+        _, dh2, dW2 = forward(
+            sp,
+            named["h"],
+            named["weight"],
+            named["target"],
+            named.get("n"),
+            [float(named[x]) for x in tf_scalars],
+            named["ignore_index"],
+            needs_h,
+            needs_w,
+            chunk,
+            accumulate,
+            rounding,
+            grad_scale=gv,
+        )
+        return dh2, dW2
+
+    def bwd_fake(g, dh, dW, *args):
+        return torch.empty_like(dh), torch.empty_like(dW)
+
+    bwd = torch.library.custom_op(
+        f"{lib}_bwd",
+        bwd_impl,
+        mutates_args=(),
+        schema=f"(Tensor g, Tensor dh, Tensor dw, {schema_args}, bool needs_h, bool needs_w, int chunk, "
+        "str accumulate) -> (Tensor, Tensor)",
+    )
+    bwd.register_fake(bwd_fake)
+    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
+
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output[1], output[2])
+        ctx.save_for_backward(output[1], output[2], *(inputs[i] for i in tensor_idx))
+        ctx.rest = [inputs[i] if i not in tensor_idx else None for i in range(len(inputs))]
         ctx.mark_non_differentiable(output[1], output[2])
         ctx.set_materialize_grads(False)
 
@@ -365,11 +431,15 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
         grads = [None] * (n_args + 4)
         if g is None:
             return tuple(grads)
-        dh, dW = ctx.saved_tensors
-        if ctx.needs_input_grad[h_idx] and dh.numel():
-            grads[h_idx] = dh * g
-        if ctx.needs_input_grad[w_idx] and dW.numel():
-            grads[w_idx] = dW * g
+        dh, dW, *tensors = ctx.saved_tensors
+        args = list(ctx.rest)
+        for i, t in zip(tensor_idx, tensors):
+            args[i] = t
+        gh, gw = bwd_op(g, dh, dW, *args)
+        if ctx.needs_input_grad[h_idx] and gh.numel():
+            grads[h_idx] = gh.view(args[h_idx].shape)
+        if ctx.needs_input_grad[w_idx] and gw.numel():
+            grads[w_idx] = gw
         return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)

@@ -20,4 +20,4 @@ def test_readme_block_runs(i):
     r = subprocess.run([sys.executable, "-c", BLOCKS[i]], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     if "counts()" in BLOCKS[i]:
-        assert "{'rms_norm': 5, 'rope': 4, 'gated_mlp': 2}" in r.stdout
+        assert "{'rms_norm': 5, 'lm_head_ce': 1, 'rope': 4, 'gated_mlp': 2}" in r.stdout

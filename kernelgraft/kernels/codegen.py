@@ -41,6 +41,20 @@ def _round_bf16(x):
     b = x.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = -m / (2 + m), m = expm1(-2|x|), with the sign of x. Below |x| = 1/2, expm1 by
+    # Kahan's identity (w - 1) u / log(w), w = e^u, accurate where 2 sigmoid(2x) - 1 cancels;
+    # above, w - 1 itself (no cancellation, and no log of a denormal w)
+    u = -2.0 * tl.abs(x)
+    w = tl.exp(u)
+    small = u > -1.0
+    m = tl.where(small, (w - 1.0) * u / tl.log(tl.where(small, w, 0.5)), w - 1.0)
+    m = tl.where(w == 1.0, u, m)
+    t = -m / (2.0 + m)
+    return tl.where(x < 0.0, -t, t)
 """
 
 IND, IND2 = "    ", "        "

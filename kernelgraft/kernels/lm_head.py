@@ -165,9 +165,10 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
         s = s * tl.exp(m - m_new) + tl.reduce(tl.where(msk, tl.exp(y - m_new), 0.0), 0, tl.standard._sum_combine)
         m = m_new
         yt += tl.reduce(tl.where(c == t, y, 0.0), 0, tl.standard._sum_combine)
-    lse = m + tl.log(s)
+    # as log_softmax does: (y - max) - log(sum), never max + log(sum) (it rounds at the scale of max)
+    ls = tl.log(s)
     valid = t != ignore_index
-    tl.store(loss_ptr + row, tl.where(valid, lse - yt, 0.0))
+    tl.store(loss_ptr + row, tl.where(valid, (m - yt) + ls, 0.0))
     if GRAD:
         k = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
         for v0 in range(0, V, BLOCK_V):
@@ -175,7 +176,7 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
             msk = c < V
             v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
 {fwd2}
-            g = (tl.exp({tf.fwd} - lse) - tl.where(c == t, 1.0, 0.0)) * k
+            g = (tl.exp(({tf.fwd} - m) - ls) - tl.where(c == t, 1.0, 0.0)) * k
 {bwd}
             tl.store(z_ptr + row * z_s0 + c, {tf.bwd}, mask=msk)
 """
@@ -493,3 +494,10 @@ def _withheld(like: torch.Tensor) -> torch.Tensor:
 @_withheld.register_fake
 def _(like):
     return like.new_empty(0)
+
+
+def _withheld_ctx(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)
+
+
+_withheld.register_autograd(lambda ctx, grad: None, setup_context=_withheld_ctx)

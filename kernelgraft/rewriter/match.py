@@ -226,7 +226,16 @@ def resemble(p, m, memo: dict) -> tuple[int, tuple | None]:
     key = (id(p), id(m))
     if key not in memo:
         memo[key] = (0, (p, m))
-        if isinstance(m, CNode) and m.op == p.op and m.attrs == p.attrs:
+        if isinstance(m, CNode) and m.op == p.op and m.attrs != p.attrs:
+            # the same op with other options (cross_entropy with label smoothing): this node is the
+            # first difference, and what lines up below it still counts
+            below = (
+                sum(resemble(pa, ma, memo)[0] for pa, ma in zip(p.args, m.args))
+                if len(p.args) == len(m.args)
+                else 0
+            )
+            memo[key] = (below, (p, m))
+        elif isinstance(m, CNode) and m.op == p.op:
             orders = [m.args] + ([m.args[::-1]] if p.op in COMMUTATIVE and len(m.args) == 2 else [])
             best = None
             for margs in orders:

@@ -15,7 +15,7 @@ from ..kernels import op_for, refusal
 from ..kernels.ops import pair_op_for
 from ..patterns.registry import Site
 from .canonicalize import canonicalize
-from .match import Match, Matcher, describe, module_path, resemble
+from .match import Failure, Match, Matcher, describe, module_path, resemble
 from .report import NearMiss, RewriteReport, SiteRecord
 
 
@@ -217,8 +217,18 @@ def graft(
         pg = sp.canonical()
         matcher = Matcher(sp, pg, allow_withhold=not options.get("keep_logits", False))
         out = pg.output
-        for anchor in [n for n in cg.nodes if n.op == out.op and n.attrs == out.attrs]:
+        for anchor in [n for n in cg.nodes if n.op == out.op]:
             if anchor.fx in taken:
+                continue
+            if anchor.attrs != out.attrs:  # other options of the op: reported as a near miss, not matched
+                failures.append(
+                    (
+                        sp,
+                        matcher.n_ops,
+                        anchor,
+                        Failure(0, out, anchor, f"expected {describe(out)}, got {describe(anchor)}"),
+                    )
+                )
                 continue
             res = matcher.attempt(anchor, taken)
             if not isinstance(res, Match):

@@ -1,0 +1,121 @@
+"""LM head + cross-entropy fwd+bwd on a GPU at the ANCHORS.md shapes: eager, torch.compile, Liger's
+fused linear cross-entropy (when importable) and kernelgraft (fp32 and weight-dtype accumulation of
+the weight gradient), side by side in one process: time, peak memory above the inputs (the weight
+gradient included), and the error of the loss and both gradients vs float64.
+
+    python benchmarks/bench_lm_head.py [--out DIR]      -> DIR/lm_head.json, DIR/lm_head.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import traceback
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kernelgraft.gradcheck import rel_error
+from kernelgraft.kernels import op_for
+from kernelgraft.patterns import REGISTRY
+
+SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000)]
+
+
+def eager(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100)
+
+
+def impls():
+    out = {"eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
+    op = op_for(REGISTRY.get("lm_head_ce", "hf_mean"))
+    out["kernelgraft"] = lambda h, w, t: op.configured(accumulate="fp32")(h, w, t, -100)
+    out["kernelgraft (bf16 dW)"] = lambda h, w, t: op.configured(accumulate="weight")(h, w, t, -100)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        out["liger"] = lambda h, w, t: liger(w, h, t)
+    except Exception as e:  # noqa: BLE001 - optional peer
+        print("liger unavailable:", e)
+    return out
+
+
+def measure(T, H, V):
+    torch.manual_seed(0)
+    dev = "cuda"
+    h = (torch.randn(T, H, device=dev) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device=dev) / H**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (T,), device=dev)
+    t[::13] = -100
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    l64 = F.cross_entropy(h64 @ w64.t(), t, ignore_index=-100)
+    gh64, gw64 = torch.autograd.grad(l64, (h64, w64))
+    del h64, w64
+    torch.cuda.empty_cache()
+    rows = {}
+    for name, f in impls().items():
+        try:
+            loss = f(h, w, t)
+            gh, gw = torch.autograd.grad(loss, (h, w))
+            errs = dict(
+                err_loss=rel_error(loss, l64), err_grad_h=rel_error(gh, gh64), err_grad_w=rel_error(gw, gw64)
+            )
+            del loss, gh, gw
+
+            def step(f=f):
+                torch.autograd.grad(f(h, w, t), (h, w))
+
+            ms = do_bench(step, warmup=100, rep=600, return_mode="median")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            rows[name] = dict(fwd_bwd_ms=ms, peak_gib_above_inputs=peak, **errs)
+        except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
+            traceback.print_exc()
+            rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+        torch.cuda.empty_cache()
+    floor = 3 * 2 * T * H * V / 730e12 * 1e3  # three matmuls at the ANCHORS.md matmul ceiling
+    return dict(shape=f"{T} tok x H {H} x V {V}", floor_ms=floor, impls=rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    res = [measure(*s) for s in SHAPES]
+    doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=res)
+    lines = [f"LM head + cross-entropy fwd+bwd, bf16, {doc['gpu']}, {doc['date']}\n"]
+    for r in res:
+        e = r["impls"].get("eager", {}).get("fwd_bwd_ms")
+        c = r["impls"].get("torch.compile", {}).get("fwd_bwd_ms")
+        lines += [
+            f"\n**{r['shape']}** (matmul floor {r['floor_ms']:.1f} ms)\n",
+            "| impl | fwd+bwd ms | vs eager | vs compile | peak GiB above inputs | err loss | err grad h | err grad W |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for n, v in r["impls"].items():
+            if "error" in v:
+                lines.append(f"| {n} | failed: {v['error'][:80]} | | | | | | |")
+                continue
+            ms = v["fwd_bwd_ms"]
+            lines.append(
+                f"| {n} | {ms:.2f} | {e / ms:.2f}x | {c / ms:.2f}x | {v['peak_gib_above_inputs']:.2f} | "
+                f"{v['err_loss']:.2e} | {v['err_grad_h']:.2e} | {v['err_grad_w']:.2e} |"
+            )
+    md = "\n".join(lines) + "\n"
+    open(os.path.join(a.out, "lm_head.md"), "w").write(md)
+    json.dump(doc, open(os.path.join(a.out, "lm_head.json"), "w"), indent=1)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -47,6 +47,14 @@ def _local_derivatives(n) -> list:
     """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1)."""
     if n.reduce is not None:
         return [None]  # handled as the adjoint of a sum
+    # PyTorch differentiates these from their saved output y (rounded to its dtype), not the input
+    y = n.value
+    if n.op == "tanh":
+        return [1 - y**2]
+    if n.op == "sigmoid":
+        return [y * (1 - y)]
+    if n.op == "exp":
+        return [y]
     us = [sympy.Dummy(f"u{i}") for i in range(len(n.inputs))]
     f = n.local(*us)
     subs = {u: i.value for u, i in zip(us, n.inputs)}

@@ -45,6 +45,7 @@ class SNode:
     reduce: str | None = None  # 'mean' | 'sum' for row reductions
     name: str = ""
     permuted: bool = False  # rotate_half: the input read at column (j + N/2) mod N, sign -1 below N/2
+    op: str = ""  # the canonical op that computed it
 
 
 @dataclass
@@ -213,6 +214,7 @@ def build_spec(
         else:
             raise Unsupported(f"op {n.op} has no element-wise kernel form")
         val[n] = node(rounded(fn(*(i.value for i in ins)), dt), dt, level_of(ins), ins, fn, name=n.name)
+        val[n].op = n.op
 
     out_node = val[g.output]
     out, out_dt = out_node.value, out_node.dtype

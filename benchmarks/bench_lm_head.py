@@ -1,5 +1,5 @@
 """LM head + cross-entropy fwd+bwd on a GPU at the ANCHORS.md shapes: eager, torch.compile, Liger's
-fused linear cross-entropy (when importable) and kernelgraft (fp32 and weight-dtype accumulation of
+fused linear cross-entropy and Cut Cross-Entropy (when importable) and kernelgraft (fp32 and weight-dtype accumulation of
 the weight gradient), side by side in one process: time, peak memory above the inputs (the weight
 gradient included), and the error of the loss and both gradients vs float64.
 
@@ -41,6 +41,12 @@ def impls():
         out["liger"] = lambda h, w, t: liger(w, h, t)
     except Exception as e:  # noqa: BLE001 - optional peer
         print("liger unavailable:", e)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        out["cut cross-entropy"] = lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=-100)
+    except Exception as e:  # noqa: BLE001 - optional peer
+        print("cut cross-entropy unavailable:", e)
     return out
 
 

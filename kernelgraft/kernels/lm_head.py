@@ -344,7 +344,7 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
             graph, tf_scalars = _transform_graph(sp)
         return named, needs_h, needs_w, chunk, accumulate
 
-    def impl(*args):
+    def run(args, grad_scale=1.0):
         named, needs_h, needs_w, chunk, accumulate = unpack(args)
         return forward(
             sp,
@@ -352,14 +352,18 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
             named["weight"],
             named["target"],
             named.get("n"),
-            [float(named[s]) for s in tf_scalars],
+            [float(named[x]) for x in tf_scalars],
             named["ignore_index"],
             needs_h,
             needs_w,
             chunk,
             accumulate,
             rounding,
+            grad_scale=grad_scale,
         )
+
+    def impl(*args):
+        return run(args)
 
     def fake(*args):
         named, needs_h, needs_w, _, _ = unpack(args)
@@ -391,22 +395,7 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
         mant, _ = math.frexp(gv)
         if gv == 0.0 or abs(mant) == 0.5:
             return dh * gv, dW * gv
-        named, needs_h, needs_w, chunk, accumulate = unpack(args)
-        _, dh2, dW2 = forward(
-            sp,
-            named["h"],
-            named["weight"],
-            named["target"],
-            named.get("n"),
-            [float(named[x]) for x in tf_scalars],
-            named["ignore_index"],
-            needs_h,
-            needs_w,
-            chunk,
-            accumulate,
-            rounding,
-            grad_scale=gv,
-        )
+        _, dh2, dW2 = run(args, grad_scale=gv)
         return dh2, dW2
 
     def bwd_fake(g, dh, dW, *args):

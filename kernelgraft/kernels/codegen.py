@@ -55,6 +55,13 @@ def _tanh(x):
     m = tl.where(w == 1.0, u, m)
     t = -m / (2.0 + m)
     return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _sech2(x):
+    # 1 - tanh(x)^2 = 4w / (1 + w)^2, w = e^(-2|x|): accurate where tanh saturates (1 - t^2 cancels)
+    w = tl.exp(-2.0 * tl.abs(x))
+    return 4.0 * w / ((1.0 + w) * (1.0 + w))
 """
 
 IND, IND2 = "    ", "        "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 
 from .spec import LOW, SGN, Spec, permuted
-from .sym import round_to, stabilize
+from .sym import Sech2, round_to, stabilize
 
 
 @dataclass
@@ -47,10 +47,12 @@ def _local_derivatives(n) -> list:
     """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1)."""
     if n.reduce is not None:
         return [None]  # handled as the adjoint of a sum
-    # PyTorch differentiates these from their saved output y (rounded to its dtype), not the input
+    # PyTorch differentiates these from their saved output y, not the input: where y is held in
+    # bf16/fp16 the kernel does the same (it rounds where the reference rounds); in float32 tanh's
+    # derivative is taken without the 1 - y^2 cancellation (more accurate where it saturates)
     y = n.value
     if n.op == "tanh":
-        return [1 - y**2]
+        return [1 - y**2 if n.dtype in LOW else Sech2(n.inputs[0].value)]
     if n.op == "sigmoid":
         return [y * (1 - y)]
     if n.op == "exp":

@@ -27,6 +27,13 @@ class Sigmoid(sympy.Function):
         return Sigmoid(self.args[0]) * Sigmoid(-self.args[0])
 
 
+class Sech2(sympy.Function):
+    """1 - tanh(x)^2 = 4w / (1 + w)^2 with w = exp(-2|x|): no cancellation where tanh saturates."""
+
+    def fdiff(self, argindex=1):
+        return -2 * sympy.tanh(self.args[0]) * Sech2(self.args[0])
+
+
 class _Round(sympy.Function):
     """Round to a narrower float and back: where the reference stores an intermediate in that dtype.
     d/dx = 1: autograd passes the gradient through the cast."""
@@ -134,6 +141,9 @@ class TritonPrinter(StrPrinter):
 
     def _print_tanh(self, f):  # the generated module's _tanh: accurate near 0, on CUDA and in the interpreter
         return f"_tanh({self._print(f.args[0])})"
+
+    def _print_Sech2(self, f):
+        return f"_sech2({self._print(f.args[0])})"
 
     def _print_erf(self, f):
         return f"tl.erf({self._print(f.args[0])})"

@@ -18,7 +18,19 @@ import torch.nn.functional as F
 
 from .registry import Scalar, pattern
 
-_LM = dict(kernel="lm_head_ce", may_withhold=True)
+
+def _example(rows, n, dtype, g):
+    """h (rows, n), a weight (3n + 5, n), labels with every 7th ignored; Gemma-2's cap, a scale."""
+    V = 3 * n + 5
+    h = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, n, generator=g) / n**0.5).to(dtype).requires_grad_()
+    t = torch.randint(0, V, (rows,), generator=g)
+    t[::7] = -100
+    n_items = torch.tensor(float((t != -100).sum()))
+    return {"h": h, "weight": w, "target": t, "n": n_items, "cap": 30.0, "scale": 0.5, "ignore_index": -100}
+
+
+_LM = dict(kernel="lm_head_ce", may_withhold=True, example=_example)
 
 
 def _ce(z, target, ignore_index, reduction):

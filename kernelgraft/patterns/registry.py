@@ -46,6 +46,7 @@ class Spelling:
     extra_check: Callable[[Site], str | None] | None = None
     kernel: str = "row"  # the kernel family in kernels/ that serves it: "row" (generated) or a template
     may_withhold: bool = False  # intermediates the graph returns may be withheld (the LM head's logits)
+    example: Callable | None = None  # (rows, n, dtype, generator) -> {argument: value}, for audits
     _canonical: Any = field(default=None, repr=False)
 
     @property
@@ -72,6 +73,18 @@ class Spelling:
 
             self._canonical = canonicalize_pattern(self)
         return self._canonical
+
+    def example_args(self, rows: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+        """Arguments as models pass them, for audits and checks: the pattern's own `example`, else
+        every tensor (rows, n) of `dtype` and every Scalar 1e-6."""
+        g = torch.Generator().manual_seed(seed)
+        if self.example is not None:
+            named = self.example(rows, n, dtype, g)
+            return tuple(named[a] for a in self.arg_names)
+        return tuple(
+            1e-6 if a in self.scalar_names else torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
+            for a in self.arg_names
+        )
 
     def reference(self, *args, **kwargs):
         """Run the spelling as plain PyTorch (the eager reference)."""
@@ -129,6 +142,7 @@ def pattern(
     registry: Registry | None = None,
     kernel: str = "row",
     may_withhold: bool = False,
+    example: Callable | None = None,
 ):
     """Register a plain PyTorch function as a spelling of pattern `name`.
 
@@ -139,6 +153,7 @@ def pattern(
     row reductions) or "lm_head_ce" (linear + cross-entropy, chunked). `may_withhold=True` lets
     the match take an intermediate that the graph also returns (the LM head's logits): the graph
     then returns an empty tensor there, and optimize() turns it into an explicit error on use.
+    `example(rows, n, dtype, generator)` returns {argument name: value} as a model passes them.
 
     >>> import torch, kernelgraft
     >>> from kernelgraft import Scalar
@@ -172,6 +187,7 @@ def pattern(
             extra_check,
             kernel,
             may_withhold,
+            example,
         )
         sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
         (registry or REGISTRY).add(sp)

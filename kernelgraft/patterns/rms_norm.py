@@ -14,21 +14,28 @@ import torch
 from .registry import Scalar, dtype_check, pattern
 
 
-@pattern("rms_norm", spelling="llama", extra_check=dtype_check)
+def _example(rows, n, dtype, g):
+    """x (rows, n) and a weight (n,) near 1 (near 0 for Gemma's 1 + w: it is perturbed either way)."""
+    x = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).requires_grad_()
+    return {"x": x, "weight": w, "eps": 1e-6}
+
+
+@pattern("rms_norm", spelling="llama", extra_check=dtype_check, example=_example)
 def rms_norm_llama(x, weight, eps: Scalar):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-@pattern("rms_norm", spelling="olmo2", extra_check=dtype_check)
+@pattern("rms_norm", spelling="olmo2", extra_check=dtype_check, example=_example)
 def rms_norm_olmo2(x, weight, eps: Scalar):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h).to(x.dtype)
 
 
-@pattern("rms_norm", spelling="gemma", extra_check=dtype_check)
+@pattern("rms_norm", spelling="gemma", extra_check=dtype_check, example=_example)
 def rms_norm_gemma(x, weight, eps: Scalar):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

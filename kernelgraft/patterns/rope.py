@@ -13,7 +13,16 @@ import torch
 from .registry import dtype_check, pattern
 
 
-@pattern("rope", spelling="rotate_half", extra_check=dtype_check)
+def _example(rows, n, dtype, g):
+    """HF's layout: q (1, heads, S, n) as a transposed view, cos/sin (1, 1, S, n) with equal halves."""
+    heads, n = 4, n + n % 2
+    S = max(1, rows // heads)
+    q = torch.randn(1, S, heads, n, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    ang = torch.randn(1, S, n // 2, generator=g).repeat(1, 1, 2)
+    return {"x": q, "cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+
+
+@pattern("rope", spelling="rotate_half", extra_check=dtype_check, example=_example)
 def rope_rotate_half(x, cos, sin):
     h = x.shape[-1] // 2
     rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)

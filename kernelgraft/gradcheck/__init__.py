@@ -1,6 +1,7 @@
 """gradcheck: is a kernel at least as accurate as the code it replaces? References (float64 truth,
 eager, torch.compile) and the DESIGN.md comparison rule."""
 
+from . import strategies
 from .audit import Finding, KernelAudit, audit_kernel
 from .references import Float64Everywhere, run_with_grads
 from .rule import EPS32, Verdict, judge, rel_error
@@ -17,4 +18,5 @@ __all__ = [
     "judge",
     "rel_error",
     "run_with_grads",
+    "strategies",
 ]

@@ -19,5 +19,7 @@ def test_readme_has_python_blocks():
 def test_readme_block_runs(i):
     r = subprocess.run([sys.executable, "-c", BLOCKS[i]], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    if "audit_kernel" in BLOCKS[i]:
+        assert "False ['missing gradient']" in r.stdout and "eager = inductor" in r.stdout
     if "counts()" in BLOCKS[i]:
         assert "{'rms_norm': 5, 'lm_head_ce': 1, 'rope': 4, 'gated_mlp': 2}" in r.stdout

@@ -105,7 +105,8 @@ def audit_kernel(
     >>> import torch, kernelgraft
     >>> from kernelgraft.gradcheck import audit_kernel
     >>> def no_weight_grad(x, w, eps):  # a bug that shipped: the weight gets no gradient
-    ...     h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    ...     h = x.float()
+    ...     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     ...     return w.detach() * h.to(x.dtype)
     >>> rep = audit_kernel(no_weight_grad, "rms_norm", "llama", dtypes=[torch.float32], shapes=[(4, 16)])
     >>> rep.ok, sorted({f.kind for f in rep.findings})

@@ -14,6 +14,21 @@ ROPE = REGISTRY.get("rope", "rotate_half")
 RMS = REGISTRY.get("rms_norm", "llama")
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """Every generated-kernel entry fetched for a launch: (pattern, entry), entry 'fwd' for one set
+    of tensors, 'fwd2' for two in one launch."""
+    seen = []
+    real = rowkernel.RowKernel.fn
+
+    def fn(self, which, device):
+        seen.append((self.spec.name.split("__")[0], which))
+        return real(self, which, device)
+
+    monkeypatch.setattr(rowkernel.RowKernel, "fn", fn)
+    return seen
+
+
 def rope_inputs(B, H, S, D, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2).requires_grad_()
@@ -73,18 +88,11 @@ def test_rope_on_strided_layouts_equals_eager_bitwise_in_fp32_math(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_paired_rope_equals_two_single_launches_bitwise(dtype, monkeypatch):
+def test_paired_rope_equals_two_single_launches_bitwise(dtype, launches):
     q, cos, sin = rope_inputs(2, 4, 5, 8, dtype, seed=1)
     k, _, _ = rope_inputs(2, 2, 5, 8, dtype, seed=2)  # GQA: fewer k heads
-    launches = []
-    real = rowkernel.forward_group
-    monkeypatch.setattr(
-        rowkernel,
-        "forward_group",
-        lambda sp, sets, r="autograd": launches.append(len(sets)) or real(sp, sets, r),
-    )
     yq, yk, _, _ = pair_op_for(ROPE).fwd(q, cos, sin, k, cos, sin)
-    assert launches == [2]
+    assert launches == [("rope", "fwd2")]
     single = op_for(ROPE)
     assert torch.equal(yq, single(q, cos, sin)) and torch.equal(yk, single(k, cos, sin))
     gq, gk = torch.randn_like(yq), torch.randn_like(yk)
@@ -107,18 +115,11 @@ def test_paired_norm_counts_a_shared_weight_gradient_once():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_paired_call_with_different_weights_makes_two_launches_and_stays_right(monkeypatch):
-    launches = []
-    real = rowkernel.forward_group
-    monkeypatch.setattr(
-        rowkernel,
-        "forward_group",
-        lambda sp, sets, r="autograd": launches.append(len(sets)) or real(sp, sets, r),
-    )
+def test_paired_call_with_different_weights_makes_two_launches_and_stays_right(launches):
     x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
     w1, w2 = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
     y1, y2, _, _ = pair_op_for(RMS).fwd(x1, w1, 1e-6, x2, w2)
-    assert launches == [1, 1]
+    assert launches == [("rms_norm", "fwd"), ("rms_norm", "fwd")]
     single = op_for(RMS)
     assert torch.equal(y1, single(x1, w1, 1e-6)) and torch.equal(y2, single(x2, w2, 1e-6))
     got = torch.autograd.grad(y1.sum() + y2.sum(), (w1, w2))
@@ -127,21 +128,15 @@ def test_paired_call_with_different_weights_makes_two_launches_and_stays_right(m
         assert torch.equal(a, b)
 
 
-def test_llama_q_and_k_share_one_launch_per_layer(monkeypatch):
+def test_llama_q_and_k_share_one_launch_per_layer(launches):
     model, stock = tiny_model("llama"), tiny_model("llama")
-    sets = []
-    real = rowkernel.forward_group
-    monkeypatch.setattr(
-        rowkernel,
-        "forward_group",
-        lambda sp, s, r="autograd": sets.append((sp.pattern, len(s))) or real(sp, s, r),
-    )
     kernelgraft.optimize(model, backend="eager")
     b = batch()
     verdicts = compare_models(model, stock, b, compiled=False)
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
     L = model.config.num_hidden_layers
-    assert sets.count(("rope", 2)) == L and ("rope", 1) not in sets
+    rope = [w for p, w in launches if p == "rope"]
+    assert rope == ["fwd2"] * L + ["bwd2"] * L  # one forward and one backward launch per layer
     rep = model.kernelgraft_report
     assert rep.counts()["rope"] == 2 * L and sum(s.paired for s in rep.sites) == 2 * L
     assert rep.launches() == len(rep.sites) - L

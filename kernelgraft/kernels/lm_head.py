@@ -248,8 +248,8 @@ def forward(
         raise ValueError(f"{spelling.qualname}: {t.numel()} labels for {T} hidden rows")
     grad = needs_h or needs_w
     losses = torch.empty(T, dtype=torch.float32, device=dev)
-    counted = (t != int(ignore_index)).sum()
-    denom = counted.to(torch.float32) if divisor is None else divisor
+    # mean: over the labels counted; HF's sum / num_items_in_batch: over what the caller counted
+    denom = (t != int(ignore_index)).sum().to(torch.float32) if divisor is None else divisor
     scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
     dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32

@@ -40,6 +40,23 @@ def _schema_args(sp) -> str:
     return ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in sp.arg_names)
 
 
+def _saved_args(ctx, n: int, tensor_idx: list, scalar_idx: list, tensors) -> tuple[list, list[bool]]:
+    """The op's arguments back from what setup_context kept, and which tensors need a gradient."""
+    args = [None] * n
+    for i, t in zip(tensor_idx, tensors):
+        args[i] = t
+    for i, s in zip(scalar_idx, ctx.scalars):
+        args[i] = s
+    return args, [bool(ctx.needs_input_grad[i]) for i in tensor_idx]
+
+
+def _input_grads(n: int, tensor_idx: list, grads, needs) -> tuple:
+    out = [None] * n
+    for i, g, need in zip(tensor_idx, grads, needs):
+        out[i] = g if need else None
+    return tuple(out)
+
+
 def _fake(sp, args, rounding):
     """(out, row stats) as empty tensors of the right shapes and dtypes."""
     tensors, _ = rowkernel.split_args(sp, args)
@@ -103,17 +120,8 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         if grad is None:  # the output did not reach the loss
             return (None,) * n_args
         *tensors, stats = ctx.saved_tensors
-        needs = [bool(ctx.needs_input_grad[i]) for i in tensor_idx]
-        args = [None] * n_args
-        for i, t in zip(tensor_idx, tensors):
-            args[i] = t
-        for i, s in zip(scalar_idx, ctx.scalars):
-            args[i] = s
-        grads = bwd_op(grad, *args, stats, needs)
-        out = [None] * n_args
-        for i, g, need in zip(tensor_idx, grads, needs):
-            out[i] = g if need else None
-        return tuple(out)
+        args, needs = _saved_args(ctx, n_args, tensor_idx, scalar_idx, tensors)
+        return _input_grads(n_args, tensor_idx, bwd_op(grad, *args, stats, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
     op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op)
@@ -121,21 +129,12 @@ def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     return op
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )
-
-
 def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     """Two sites of one spelling in one launch (q and k of a layer): kernelgraft::<name>_pair takes
     the first site's arguments, then the second site's tensor arguments (scalars are shared), and
     returns (out_0, out_1, stats_0, stats_1). Per-column arguments must be the same tensor in both
-    (the rewriter pairs sites only then); if at run time they are not, or the two sites' shapes
-    cannot share a launch, it makes two launches: same numbers."""
+    (the rewriter pairs sites only then); where at run time the two cannot share a launch, the
+    launcher makes two: same numbers."""
     single = op_for(spelling, rounding)
     name = f"{single.name}_pair"
     if name in _OPS:
@@ -152,20 +151,8 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
             second[i] = args[n_args + j]
         return tuple(first), tuple(second)
 
-    def paired(a0, a1) -> bool:
-        t0, _ = rowkernel.split_args(sp, a0)
-        t1, _ = rowkernel.split_args(sp, a1)
-        l0, l1 = rowkernel.layout(sp, t0), rowkernel.layout(sp, t1)
-        if l0.kinds != l1.kinds or l0.N != l1.N or any(t0[n].dtype != t1[n].dtype for n in t0):
-            return False
-        return all(_same(t0[n], t1[n]) for n, k in l0.kinds.items() if k == "col")
-
     def fwd_impl(*args):
-        a0, a1 = split(args)
-        if paired(a0, a1):
-            (o0, s0), (o1, s1) = rowkernel.forward_group(sp, [a0, a1], rounding)
-        else:
-            (o0, s0), (o1, s1) = rowkernel.forward(sp, a0, rounding), rowkernel.forward(sp, a1, rounding)
+        (o0, s0), (o1, s1) = rowkernel.forward_group(sp, list(split(args)), rounding)
         return o0, o1, s0, s1
 
     def fwd_fake(*args):
@@ -175,19 +162,10 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
 
     def bwd_impl(g0, g1, *rest):
         *args, s0, s1, needs = rest
-        a0, a1 = split(args)
-        needs = list(needs)
-        n0, n1 = needs[:T], needs[T:]
-        if paired(a0, a1):
-            union = [a or b for a, b in zip(n0, n1)]
-            r0, r1 = rowkernel.backward_group(sp, [g0, g1], [a0, a1], [s0, s1], union, rounding)
-            # a shared per-column argument's gradient (the sum over both sites) is counted once
-            kinds = rowkernel.layout(sp, rowkernel.split_args(sp, a0)[0]).kinds
-            r1 = [torch.zeros_like(g) if kinds[n] == "col" and g.numel() else g for n, g in zip(kinds, r1)]
-        else:
-            r0 = rowkernel.backward(sp, g0, a0, s0, n0, rounding)
-            r1 = rowkernel.backward(sp, g1, a1, s1, n1, rounding)
-        return [g if need else g.new_empty(0) for g, need in zip([*r0, *r1], needs)]
+        r0, r1 = rowkernel.backward_group(
+            sp, [g0, g1], list(split(args)), [s0, s1], [needs[:T], needs[T:]], rounding
+        )
+        return [*r0, *r1]
 
     def bwd_fake(g0, g1, *rest):
         *args, s0, s1, needs = rest
@@ -225,20 +203,11 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         if g0 is None and g1 is None:
             return (None,) * (n_args + T)
         *tensors, s0, s1 = ctx.saved_tensors
-        needs = [bool(ctx.needs_input_grad[i]) for i in all_tensor_idx]
-        args = [None] * (n_args + T)
-        for i, t in zip(all_tensor_idx, tensors):
-            args[i] = t
-        for i, s in zip(scalar_idx, ctx.scalars):
-            args[i] = s
+        args, needs = _saved_args(ctx, n_args + T, all_tensor_idx, scalar_idx, tensors)
         a0, a1 = split(args)
         g0 = g0 if g0 is not None else torch.zeros_like(_fake(sp, a0, rounding)[0])
         g1 = g1 if g1 is not None else torch.zeros_like(_fake(sp, a1, rounding)[0])
-        grads = bwd_op(g0, g1, *args, s0, s1, needs)
-        out = [None] * (n_args + T)
-        for i, g, need in zip(all_tensor_idx, grads, needs):
-            out[i] = g if need else None
-        return tuple(out)
+        return _input_grads(n_args + T, all_tensor_idx, bwd_op(g0, g1, *args, s0, s1, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
     op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op)

@@ -161,17 +161,26 @@ def _groups(spelling, arg_sets: list[tuple]) -> tuple[list[_Group], list[float]]
         tensors, sc = split_args(spelling, args)
         groups.append(_Group(tensors, layout(spelling, tensors)))
         scalars = sc if scalars is None else scalars
+    return groups, scalars
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _shareable(groups: list[_Group]) -> bool:
+    """One launch serves the groups: the same row length, argument kinds and dtypes, and the very
+    same per-column tensors (a launch reads those once)."""
     first = groups[0]
     for g in groups[1:]:
         if g.lay.kinds != first.lay.kinds or g.lay.N != first.lay.N:
-            raise ValueError(
-                f"{spelling.qualname}: grouped calls need the same row length and argument kinds "
-                f"(got N={first.lay.N} {first.lay.kinds} and N={g.lay.N} {g.lay.kinds})"
-            )
+            return False
         for n, t in g.tensors.items():
             if t.dtype != first.tensors[n].dtype:
-                raise ValueError(f"{spelling.qualname}: grouped calls need one dtype per argument ({n})")
-    return groups, scalars
+                return False
+            if first.lay.kinds[n] == "col" and not _same(t, first.tensors[n]):
+                return False
+    return True
 
 
 def _kernel(spelling, g: _Group, rounding: str) -> RowKernel:
@@ -187,8 +196,11 @@ def forward_group(
     spelling, arg_sets: list[tuple], rounding: str = "autograd"
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One launch for several argument sets that differ only in their per-element tensors (q and k
-    with shared cos, sin) -> [(out, row stats)] per set."""
+    with shared cos, sin) -> [(out, row stats)] per set. Sets that cannot share a launch (other
+    shapes, dtypes or per-column tensors) get one launch each: the same numbers."""
     groups, scalars = _groups(spelling, arg_sets)
+    if len(groups) > 1 and not _shareable(groups):
+        return [forward_group(spelling, [a], rounding)[0] for a in arg_sets]
     if len(groups) not in GROUPS:
         raise ValueError(
             f"{spelling.qualname}: {len(groups)} groups in one launch; generated entries serve {GROUPS}"
@@ -239,7 +251,7 @@ def backward(
     rounding: str = "autograd",
 ) -> list[torch.Tensor]:
     """Gradients of every tensor argument (an empty tensor where `needs` is False)."""
-    return backward_group(spelling, [grad], [args], [stats], needs, rounding)[0]
+    return backward_group(spelling, [grad], [args], [stats], [needs], rounding)[0]
 
 
 def backward_group(
@@ -247,12 +259,20 @@ def backward_group(
     grads: list[torch.Tensor],
     arg_sets: list[tuple],
     stats: list[torch.Tensor],
-    needs: list[bool],
+    needs_per_set: list[list[bool]],
     rounding: str = "autograd",
 ) -> list[list[torch.Tensor]]:
-    """Gradients of every tensor argument of each argument set, in one launch. A per-column
-    argument is shared by the sets: its gradient, the sum over all of them, is returned in each."""
+    """Gradients of every tensor argument of each argument set (empty where that set's `needs` is
+    False), in one launch when the sets can share one. A per-column argument is then the same
+    tensor in every set: its gradient, the sum over all sets, is returned once (in the first set
+    that needs it; zeros in the others, so that autograd's sum counts it once)."""
     groups, scalars = _groups(spelling, arg_sets)
+    if len(groups) > 1 and not _shareable(groups):
+        return [
+            backward_group(spelling, [g], [a], [st], [nd], rounding)[0]
+            for g, a, st, nd in zip(grads, arg_sets, stats, needs_per_set)
+        ]
+    needs = [any(col) for col in zip(*needs_per_set)]
     k = _kernel(spelling, groups[0], rounding)
     kinds = groups[0].lay.kinds
     names = list(groups[0].tensors)
@@ -307,14 +327,14 @@ def backward_group(
         for n, need in zip(names, needs)
         if kinds[n] == "col" and need
     }
-    for g, bufs in zip(groups, elem_bufs):
+    for g, bufs, own in zip(groups, elem_bufs, needs_per_set):
         res = []
-        for n, need in zip(names, needs):
+        for n, need in zip(names, own):
             t = g.tensors[n]
             if not need:
                 res.append(torch.empty(0, dtype=t.dtype, device=dev))
             elif kinds[n] == "col":
-                res.append(col_grads[n])
+                res.append(col_grads.pop(n) if n in col_grads else torch.zeros_like(t))
             elif tuple(t.shape) == tuple(g.lay.shape):
                 res.append(bufs[n])
             else:  # a broadcast argument: its full gradient, summed back to its shape

@@ -98,15 +98,20 @@ def _withheld(v) -> bool:
 
 def _call(compiled, model, *args, **kwargs):
     out = compiled(model, *args, **kwargs)
-    if not any(s.withheld for s in model.kernelgraft_report.sites):
-        return out
+    # the marker first (two type checks per call); the report only confirms what it is
     if isinstance(out, dict) and _withheld(out.get("logits")):  # ModelOutput is a dict
-        out["logits"] = WithheldLogits()
+        if _withholds(model):
+            out["logits"] = WithheldLogits()
     elif (
         isinstance(out, tuple) and len(out) > 1 and _withheld(out[1])
     ):  # return_dict=False: (loss, logits, ...)
-        out = (out[0], WithheldLogits(), *out[2:])
+        if _withholds(model):
+            out = (out[0], WithheldLogits(), *out[2:])
     return out
+
+
+def _withholds(model) -> bool:
+    return any(s.withheld for s in model.kernelgraft_report.sites)
 
 
 def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteReport:

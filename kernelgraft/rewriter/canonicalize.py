@@ -182,8 +182,7 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     if target is F.cross_entropy:
         return _cross_entropy(b, n, args, kwargs)
     if target in ("view", "reshape", torch.reshape) and len(args) >= 2:
-        flat = _flatten_rows(n, args)
-        if flat is not None:
+        if _flatten_rows(n, args):
             return b.new("flatten_rows", (args[0],), fx=n)
     if n.op == "call_method" and target in _TRANSPARENT_METHODS:
         return b.alias(n, args[0])
@@ -259,18 +258,18 @@ def _cross_entropy(b, n, args, kwargs) -> CNode:
     return b.new("cross_entropy", ins, attrs, fx=n)
 
 
-def _flatten_rows(n: torch.fx.Node, args) -> bool | None:
+def _flatten_rows(n: torch.fx.Node, args) -> bool:
     """x.view(-1, D) / x.reshape(-1, D) where D is x's last dim: rows of the last dim, flattened."""
     x = args[0]
     shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
     if len(shape) != 2 or shape[0] != -1 or not isinstance(x, CNode):
-        return None
+        return False
     if isinstance(shape[1], CNode):  # a traced pattern: x.shape[-1]
-        return True if shape[1].op == "last_dim" and shape[1].args[0] is x else None
+        return shape[1].op == "last_dim" and shape[1].args[0] is x
     src, out = x.meta, n.meta.get("example_value")
     if src is None or out is None or src.dim() < 1:
-        return None
-    return True if out.dim() == 2 and src.shape[-1] == out.shape[-1] == shape[1] else None
+        return False
+    return out.dim() == 2 and src.shape[-1] == out.shape[-1] == shape[1]
 
 
 # ---- rewrite rules: canonical node -> an equivalent canonical spelling, or None ----------------

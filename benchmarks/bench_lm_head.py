@@ -23,6 +23,7 @@ from kernelgraft.kernels import op_for
 from kernelgraft.patterns import REGISTRY
 
 SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000)]
+CHUNKS = (512, 2048)  # tokens per chunk besides the default (a chunk of logits of 256 MiB)
 
 
 def eager(h, w, t):
@@ -34,6 +35,10 @@ def impls():
     op = op_for(REGISTRY.get("lm_head_ce", "hf_mean"))
     out["kernelgraft"] = lambda h, w, t: op.configured(accumulate="fp32")(h, w, t, -100)
     out["kernelgraft (bf16 dW)"] = lambda h, w, t: op.configured(accumulate="weight")(h, w, t, -100)
+    for c in CHUNKS:
+        out[f"kernelgraft (bf16 dW, chunk {c})"] = lambda h, w, t, c=c: op.configured(c, "weight")(
+            h, w, t, -100
+        )
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -84,21 +89,87 @@ def measure(T, H, V):
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
             rows[name] = dict(fwd_bwd_ms=ms, peak_gib_above_inputs=peak, **errs)
+            print(f"{T}x{H}x{V} {name}: {ms:.2f} ms, {peak:.2f} GiB, errors {errs}", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
             traceback.print_exc()
             rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
         torch.cuda.empty_cache()
+    if PROFILE:
+        rows["profile"] = profile(impls()["kernelgraft (bf16 dW)"], h, w, t)
     floor = 3 * 2 * T * H * V / 730e12 * 1e3  # three matmuls at the ANCHORS.md matmul ceiling
     return dict(shape=f"{T} tok x H {H} x V {V}", floor_ms=floor, impls=rows)
+
+
+PROFILE = False
+
+
+def tune_ce(T=1024, V=128256):
+    """The CE kernel alone on one chunk of bf16 logits, over (BLOCK_V, num_warps): the table that
+    CE_CONFIG["cuda"] is set from."""
+    from kernelgraft.kernels import lm_head
+
+    fn, _ = lm_head._kernel(REGISTRY.get("lm_head_ce", "hf_mean"), torch.bfloat16, "autograd", "cuda")
+    z0 = torch.randn(T, V, device="cuda").bfloat16()
+    t = torch.randint(0, V, (T,), device="cuda")
+    loss = torch.empty(T, device="cuda")
+    scale = torch.full((1,), 1.0 / T, device="cuda")
+    out = []
+    for bv in (1024, 2048, 4096, 8192):
+        for nw in (4, 8, 16):
+            z = z0.clone()
+
+            def run(z=z, bv=bv, nw=nw):
+                fn[(T,)](z, z.stride(0), t, loss, scale, V, -100, GRAD=True, BLOCK_V=bv, num_warps=nw)
+
+            try:
+                ms = do_bench(run, warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"  BLOCK_V {bv} warps {nw}: {type(e).__name__}")
+                continue
+            gbps = 3 * z.numel() * 2 / ms / 1e6
+            out.append(dict(block_v=bv, num_warps=nw, ms=ms, gb_s=gbps))
+            print(
+                f"  CE kernel {T}x{V}: BLOCK_V {bv:5d} warps {nw:2d}: {ms * 1e3:7.1f} us  {gbps:6.0f} GB/s",
+                flush=True,
+            )
+    return out
+
+
+def profile(f, h, w, t) -> list:
+    """CUDA time per kernel of one fwd+bwd, largest first: where the time above the floor goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    for _ in range(3):
+        torch.autograd.grad(f(h, w, t), (h, w))
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        torch.autograd.grad(f(h, w, t), (h, w))
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3, e.count) for e in p.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    for k, ms, n in rows[:12]:
+        print(f"  {ms:8.2f} ms  x{n:<4d} {k[:110]}")
+    print(f"  {sum(r[1] for r in rows):8.2f} ms  total device time")
+    return [dict(kernel=k[:200], ms=ms, count=n) for k, ms, n in rows[:20]]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--profile", action="store_true", help="also print kernelgraft's CUDA time per kernel")
+    ap.add_argument(
+        "--tune-ce", action="store_true", help="time the CE kernel alone over launch configs first"
+    )
     a = ap.parse_args()
+    global PROFILE
+    PROFILE = a.profile
     os.makedirs(a.out, exist_ok=True)
+    tuned = tune_ce() if a.tune_ce else None
     res = [measure(*s) for s in SHAPES]
-    doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=res)
+    doc = dict(
+        date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=res, ce_tuning=tuned
+    )
     lines = [f"LM head + cross-entropy fwd+bwd, bf16, {doc['gpu']}, {doc['date']}\n"]
     for r in res:
         e = r["impls"].get("eager", {}).get("fwd_bwd_ms")
@@ -109,6 +180,8 @@ def main():
             "|---|---|---|---|---|---|---|---|",
         ]
         for n, v in r["impls"].items():
+            if n == "profile":
+                continue
             if "error" in v:
                 lines.append(f"| {n} | failed: {v['error'][:80]} | | | | | | |")
                 continue

@@ -38,6 +38,8 @@ def step_bench(mode, B, S, steps):
         model.compile()
     elif mode == "kernelgraft":
         kernelgraft.optimize(model, backend="inductor")
+    elif mode == "kernelgraft (bf16 dW)":  # the LM head's weight gradient accumulated in bf16
+        kernelgraft.optimize(model, backend="inductor", lm_head_accumulate="weight")
     elif mode == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -70,7 +72,7 @@ def step_bench(mode, B, S, steps):
         first_step_s=first,
         loss=first_loss,
     )
-    if mode == "kernelgraft":
+    if mode.startswith("kernelgraft"):
         out["sites"] = model.kernelgraft_report.counts()
     return out
 
@@ -79,7 +81,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", default="eager,torch.compile,kernelgraft,liger")
+    ap.add_argument("--modes", default="eager,torch.compile,kernelgraft,kernelgraft (bf16 dW),liger")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = dict(

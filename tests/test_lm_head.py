@@ -3,6 +3,7 @@ DESIGN.md rule) over drawn shapes, labels and chunkings; the weight-gradient acc
 exactness for any incoming gradient; logits withheld explicitly; edge cases served or refused."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -189,9 +190,50 @@ def test_all_labels_ignored():
 def test_no_gradients_no_work():
     sp, args = make_args("hf_mean", 16, 16, 64, torch.float32)
     with torch.no_grad():
-        loss, dh, dw = op_for(sp).fwd(*args, False, False, 0, "fp32")
-    assert dh.numel() == 0 and dw.numel() == 0
+        loss, ticket = op_for(sp).fwd(*args, False, False, 0, "fp32")
+    assert int(ticket) not in lm_head._STASH  # no gradients were made, none are held
     torch.testing.assert_close(loss, sp.fn(*args).detach(), rtol=1e-6, atol=0)
+
+
+def test_label_out_of_range_is_loud():
+    sp, args = make_args("hf_mean", 8, 16, 40, torch.float32, ignore_every=0)
+    args[2][3] = 40  # outside [0, V): PyTorch raises; the fused op gives NaN, never a finite wrong loss
+    loss = op_for(sp)(*args)
+    gh, gw = torch.autograd.grad(loss, args[:2])
+    assert loss.isnan() and gh[3].isnan().all() and gw.isnan().any()
+    assert not gh[2].isnan().any()  # the other rows' own gradient terms are unaffected
+
+
+def test_gradients_held_for_backward_are_freed_with_the_graph():
+    sp, args = make_args("hf_mean", 16, 16, 64, torch.float32)
+    before = len(lm_head._STASH)
+    loss = op_for(sp)(*args)
+    assert len(lm_head._STASH) == before + 1  # the forward made the gradients for the backward
+    del loss  # no backward: the graph goes, and its gradients with it
+    gc.collect()
+    assert len(lm_head._STASH) == before
+
+
+def test_retained_graph_gives_the_same_gradients_twice():
+    sp, args = make_args("hf_mean", 24, 16, 80, torch.float32)
+    loss = op_for(sp)(*args)
+    h, w = args[0], args[1]
+    g1 = torch.autograd.grad(loss * 1.0, (h, w), retain_graph=True)  # hands out the stash
+    g2 = torch.autograd.grad(loss, (h, w))  # makes them again
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref = torch.autograd.grad(sp.fn(*args), (h, w))
+    for a, b in zip(g1, ref):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 1000])
+def test_narrowing_in_place_rounds_like_to(rows):
+    x = torch.randn(rows, 33) * 1e3
+    want = x.to(torch.bfloat16)
+    got = lm_head.narrow_in_place(x.clone(), torch.bfloat16, rows=5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_chunk_size_from_shapes_and_overrides(monkeypatch):

@@ -27,9 +27,11 @@ Weight-gradient accumulation over chunks (`accumulate`):
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +130,7 @@ def transform(spelling, dtype: torch.dtype, rounding: str) -> Transform:
     bwd = derive(spec)
     y = round_to(spec.output, LOW.get(spec.out_dtype, "float32"))
     dx = round_to(bwd.grads["v_x"], LOW.get(dtype, "float32"))
-    fl, (fe,) = _cse_lines([y], "f", "        ")
+    fl, (fe,) = _cse_lines([y], "f", "    ")
     bl, (be,) = _cse_lines([dx], "b", "            ")
     return Transform([f"v_{s}" for s in scalars], fl, fe, bl, be, spec.out_dtype)
 
@@ -139,44 +141,53 @@ def transform(spelling, dtype: torch.dtype, rounding: str) -> Transform:
 def kernel_source(name: str, tf: Transform, qual: str) -> str:
     sc = "".join(f"{s}, " for s in tf.scalars)
     pin = "".join(f"    {s} = tl.full([], {s}, tl.float32)\n" for s in tf.scalars)
-    fwd = "\n".join(tf.fwd_lines)  # indented for the first loop
-    fwd2 = "\n".join("    " + ln for ln in tf.fwd_lines)  # and for the second
+    fwd = "\n".join(tf.fwd_lines)
     bwd = "\n".join(tf.bwd_lines)
     return (
         HEADER.format(qual=qual, dtypes="logits: the weight's", kinds="rows of logits", out=str(tf.out_dtype))
         + f"""
 
 @triton.jit
+def {name}_y(v_x, {sc}):
+    # the spelling's logit transform (float32 in, its rounding points kept)
+{fwd}
+    return {tf.fwd}
+
+
+@triton.jit
 def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
     # one row (token) per program; z holds its logits, and on return (GRAD) their gradient
 {pin}    row = tl.program_id(0).to(tl.int64)
     t = tl.load(t_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    # the target's logit, read once. A label outside [0, V) (PyTorch raises there; checking would
+    # cost a host sync per call) gives a NaN loss and NaN gradients for its row: loud, never wrong
+    inside = valid & (t >= 0) & (t < V)
+    zt = tl.load(z_ptr + row * z_s0 + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    yt = {name}_y(zt, {sc})
     cols = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.full([], 0.0, tl.float32)
-    yt = tl.full([], 0.0, tl.float32)
     for v0 in range(0, V, BLOCK_V):
         c = v0 + cols
         msk = c < V
         v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
-{fwd}
-        y = tl.where(msk, {tf.fwd}, float("-inf"))
+        y = tl.where(msk, {name}_y(v_x, {sc}), float("-inf"))
         m_new = tl.maximum(m, tl.reduce(y, 0, tl.standard._elementwise_max))
-        s = s * tl.exp(m - m_new) + tl.reduce(tl.where(msk, tl.exp(y - m_new), 0.0), 0, tl.standard._sum_combine)
+        s = s * tl.exp(m - m_new) + tl.reduce(tl.exp(y - m_new), 0, tl.standard._sum_combine)
         m = m_new
-        yt += tl.reduce(tl.where(c == t, y, 0.0), 0, tl.standard._sum_combine)
     # as log_softmax does: (y - max) - log(sum), never max + log(sum) (it rounds at the scale of max)
     ls = tl.log(s)
-    valid = t != ignore_index
-    tl.store(loss_ptr + row, tl.where(valid, (m - yt) + ls, 0.0))
+    bad = valid & ((t < 0) | (t >= V))
+    tl.store(loss_ptr + row, tl.where(bad, float("nan"), tl.where(valid, (m - yt) + ls, 0.0)))
     if GRAD:
         k = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+        k = tl.where(bad, float("nan"), k)
         for v0 in range(0, V, BLOCK_V):
             c = v0 + cols
             msk = c < V
             v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
-{fwd2}
-            g = (tl.exp(({tf.fwd} - m) - ls) - tl.where(c == t, 1.0, 0.0)) * k
+            g = (tl.exp(({name}_y(v_x, {sc}) - m) - ls) - tl.where(c == t, 1.0, 0.0)) * k
 {bwd}
             tl.store(z_ptr + row * z_s0 + c, {tf.bwd}, mask=msk)
 """
@@ -207,9 +218,34 @@ def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
     return max(1, min(chunk, max(T, 1)))
 
 
-def _block_v(V: int, device: torch.device) -> int:
-    cap = 4096 if device.type == "cuda" else 8192
-    return min(cap, triton.next_power_of_2(max(V, 1)))
+CE_CONFIG = {"cuda": (4096, 4), "cpu": (8192, 4)}  # (BLOCK_V, num_warps); cuda: tuned on an H200
+
+
+def _ce_config(V: int, device: torch.device) -> tuple[int, int]:
+    cap, warps = CE_CONFIG.get(device.type, CE_CONFIG["cuda"])
+    return min(cap, triton.next_power_of_2(max(V, 1))), warps
+
+
+def narrow_in_place(x: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
+    """x (float32, contiguous) rounded to the 2-byte `dtype` inside x's own storage: a view of its
+    first half. Row block [r, r + b) is written over bytes that held rows below r, already read, so
+    no second full-size buffer is needed (the fp32 weight-gradient accumulator: 2x the weight,
+    not 3x, at its peak). The storage keeps x's size until the result is freed."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and torch.empty((), dtype=dtype).element_size() == 2
+    n = x.shape[0]
+    if n == 0:
+        return x.new_empty(x.shape, dtype=dtype)
+    flat = x.view(n, -1)
+    out = x.view(-1).view(dtype)[: x.numel()].view(n, -1)  # same storage, reinterpreted
+    first = min(n, 1)
+    head = flat[:first].to(dtype)  # row 0's destination overlaps itself: through a copy
+    r = first
+    while r < n:
+        b = min(r, rows, n - r)  # b <= r: the destination ends at byte 4*r*H, where the source starts
+        out[r : r + b].copy_(flat[r : r + b])
+        r += b
+    out[:first].copy_(head)
+    return out.view(x.shape)
 
 
 # ---- the op ----------------------------------------------------------------------------------------
@@ -254,12 +290,12 @@ def forward(
     dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32
     dW = (
-        torch.zeros(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
+        torch.empty(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
         if needs_w
         else W.new_empty(0)
     )
     C = chunk_tokens(T, V, W.element_size(), chunk)
-    BV = _block_v(V, dev)
+    BV, warps = _ce_config(V, dev)
     for c0 in range(0, T, C):
         hc = h2[c0 : c0 + C]
         z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
@@ -274,23 +310,48 @@ def forward(
             int(ignore_index),
             GRAD=grad,
             BLOCK_V=BV,
+            num_warps=warps,
         )
         if needs_h:
             torch.mm(z, W, out=dh[c0 : c0 + C])
         if needs_w:
+            beta = 0.0 if c0 == 0 else 1.0  # the first chunk writes dW without reading it
             if acc32 and dev.type == "cuda":
-                torch.addmm(dW, z.t(), hc, out_dtype=torch.float32, out=dW)
+                torch.addmm(dW, z.t(), hc, beta=beta, out_dtype=torch.float32, out=dW)
             elif acc32:
-                dW.addmm_(z.t().float(), hc.float())
+                torch.addmm(dW, z.t().float(), hc.float(), beta=beta, out=dW)
             else:
-                dW.addmm_(z.t(), hc)
+                torch.addmm(dW, z.t(), hc, beta=beta, out=dW)
+        del z
     loss = losses.sum() / denom
+    if needs_w and T == 0:
+        dW.zero_()
     if needs_w and acc32:
-        dW = dW.to(W.dtype)
+        dW = narrow_in_place(dW, W.dtype)
     return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW
 
 
 _OPS: dict = {}
+
+# The gradients the forward made, until the backward takes them: held here rather than saved in the
+# autograd graph, so the backward can hand them out without a copy (a custom op may not return its
+# input). Each entry lives as long as its ticket (a CPU scalar the graph saves): a graph freed
+# without a backward frees its gradients too.
+_STASH: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_NEXT = itertools.count(1)
+
+
+def _ticket_like() -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+def _stash(dh: torch.Tensor, dW: torch.Tensor) -> torch.Tensor:
+    key = next(_NEXT)
+    ticket = torch.tensor(key, dtype=torch.int64)
+    if dh.numel() or dW.numel():
+        _STASH[key] = (dh, dW)
+        weakref.finalize(ticket, _STASH.pop, key, None)
+    return ticket
 
 
 @dataclass
@@ -363,17 +424,13 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
         )
 
     def impl(*args):
-        return run(args)
+        loss, dh, dW = run(args)
+        return loss, _stash(dh, dW)
 
     def fake(*args):
-        named, needs_h, needs_w, _, _ = unpack(args)
+        named, _, _, _, _ = unpack(args)
         h, W = named["h"], named["weight"]
-        out_dt = _out_dtype(sp, W.dtype)
-        return (
-            h.new_empty((), dtype=out_dt),
-            torch.empty_like(h) if needs_h else h.new_empty(0),
-            torch.empty_like(W) if needs_w else W.new_empty(0),
-        )
+        return h.new_empty((), dtype=_out_dtype(sp, W.dtype)), _ticket_like()
 
     tensor_idx = [i for i, a in enumerate(names) if a not in sp.scalar_names]
     schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
@@ -382,50 +439,63 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
         lib,
         impl,
         mutates_args=(),
-        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate) -> (Tensor, Tensor, Tensor)",
+        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate) -> (Tensor, Tensor)",
     )
     op.register_fake(fake)
     h_idx, w_idx = names.index("h"), names.index("weight")
 
-    def bwd_impl(g, dh, dW, *args):
-        """The gradients for the loss's incoming gradient g. Scaling by a power of two (1 in plain
-        training, a loss scale) is exact; any other g makes the gradients again with g folded into
-        the softmax gradient before its rounding, as the unfused model does (one more pass)."""
+    def bwd_impl(g, ticket, *args):
+        """The gradients for the loss's incoming gradient g, from the ones the forward made for 1.
+        Scaling by a power of two (1 in plain training, a loss scale) is exact and done in place;
+        any other g, or a second backward through a retained graph (the stash was handed out),
+        makes the gradients again with g folded in before the softmax gradient rounds, as the
+        unfused model does."""
         gv = float(g)
+        got = _STASH.pop(int(ticket), None)
         mant, _ = math.frexp(gv)
-        if gv == 0.0 or abs(mant) == 0.5:
-            return dh * gv, dW * gv
-        _, dh2, dW2 = run(args, grad_scale=gv)
-        return dh2, dW2
+        if got is not None and (gv == 0.0 or abs(mant) == 0.5):
+            dh, dW = got
+            if gv != 1.0:
+                dh.mul_(gv)
+                dW.mul_(gv)
+            return dh, dW
+        del got
+        _, dh, dW = run(args, grad_scale=gv)
+        return dh, dW
 
-    def bwd_fake(g, dh, dW, *args):
-        return torch.empty_like(dh), torch.empty_like(dW)
+    def bwd_fake(g, ticket, *args):
+        named, needs_h, needs_w, _, _ = unpack(args)
+        h, W = named["h"], named["weight"]
+        return (
+            torch.empty_like(h) if needs_h else h.new_empty(0),
+            torch.empty_like(W) if needs_w else W.new_empty(0),
+        )
 
     bwd = torch.library.custom_op(
         f"{lib}_bwd",
         bwd_impl,
         mutates_args=(),
-        schema=f"(Tensor g, Tensor dh, Tensor dw, {schema_args}, bool needs_h, bool needs_w, int chunk, "
+        schema=f"(Tensor g, Tensor ticket, {schema_args}, bool needs_h, bool needs_w, int chunk, "
         "str accumulate) -> (Tensor, Tensor)",
     )
     bwd.register_fake(bwd_fake)
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output[1], output[2], *(inputs[i] for i in tensor_idx))
+        ctx.save_for_backward(output[1], *(inputs[i] for i in tensor_idx))
         ctx.rest = [inputs[i] if i not in tensor_idx else None for i in range(len(inputs))]
-        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
 
-    def backward(ctx, g, _dh, _dw):
+    def backward(ctx, g, _ticket):
         grads = [None] * (n_args + 4)
         if g is None:
             return tuple(grads)
-        dh, dW, *tensors = ctx.saved_tensors
+        ticket, *tensors = ctx.saved_tensors
         args = list(ctx.rest)
         for i, t in zip(tensor_idx, tensors):
             args[i] = t
-        gh, gw = bwd_op(g, dh, dW, *args)
+        gh, gw = bwd_op(g, ticket, *args)
         if ctx.needs_input_grad[h_idx] and gh.numel():
             grads[h_idx] = gh.view(args[h_idx].shape)
         if ctx.needs_input_grad[w_idx] and gw.numel():

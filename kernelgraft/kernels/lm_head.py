@@ -21,7 +21,10 @@ Weight-gradient accumulation over chunks (`accumulate`):
     "fp32"   (default) an fp32 buffer of W's shape, rounded once at the end: the same error as the
              unfused model (measured: tests/test_lm_head.py). Costs 4 bytes per weight element.
     "weight" in W's dtype, rounded after every chunk: half the memory, an error that grows with
-             the number of chunks (bf16, 16 chunks: about 2x eager's).
+             the number of chunks (bf16: 1.04x eager's at 8192 x 4096 x 128256 on an H200, 8
+             chunks; 1.25x on the CPU test's small shapes, 16 chunks).
+The gradients made in the forward wait for the backward outside the autograd graph (`_STASH`), so
+the backward hands them out without a copy.
 """
 
 from __future__ import annotations

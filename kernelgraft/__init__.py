@@ -4,11 +4,13 @@ derived with sympy, and check they are no less accurate than the code they repla
     import kernelgraft
     model = kernelgraft.optimize(model)          # same object, compiled in place
     report = kernelgraft.explain(model, **batch) # what would be replaced, and what nearly was
+    audit = kernelgraft.audit(model, **batch)    # per site and parameter: as accurate as stock?
 """
 
-from . import kernels, patterns
+from . import gradcheck, kernels, patterns
+from .gradcheck import audit
 from .patterns import Scalar, pattern
 from .rewriter import Grafter, explain, optimize
 
 __version__ = "0.1.0"
-__all__ = ["Grafter", "Scalar", "explain", "kernels", "optimize", "pattern", "patterns"]
+__all__ = ["Grafter", "Scalar", "audit", "explain", "gradcheck", "kernels", "optimize", "pattern", "patterns"]

@@ -1,6 +1,7 @@
-"""`kernelgraft demo | explain | patterns`: the command line.
+"""`kernelgraft demo | explain | audit | patterns`: the command line.
 
-Exit codes: 0 success, 1 the check failed (e.g. loss curves disagree), 2 bad usage.
+Exit codes: 0 success, 1 the check failed (loss curves disagree, an audit found a less accurate
+site or gradient), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ EXAMPLES = """examples:
   kernelgraft demo                      train a tiny Llama 20 steps, stock vs kernelgraft
   kernelgraft demo --steps 5 --device cpu
   kernelgraft explain --arch qwen3      what would be replaced in a tiny random Qwen3
+  kernelgraft audit --arch llama --out audit.html
+                                        audit a tiny random Llama: per site and parameter, is the
+                                        optimized model as accurate as the stock one? (HTML + stdout)
+  kernelgraft audit --model ./my-checkpoint --dtype bfloat16 --out audit.html --md audit.md
   kernelgraft patterns                  the registered patterns and their spellings
 """
 
@@ -109,11 +114,8 @@ def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=
     return 0 if agree else 1
 
 
-def explain_arch(arch: str, layers: int = 2, out=sys.stdout) -> int:
-    import torch
+def _tiny_arch(arch: str, layers: int):
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    import kernelgraft
 
     cfg = AutoConfig.for_model(
         arch,
@@ -125,11 +127,57 @@ def explain_arch(arch: str, layers: int = 2, out=sys.stdout) -> int:
         vocab_size=128,
         head_dim=16,
     )
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def explain_arch(arch: str, layers: int = 2, out=sys.stdout) -> int:
+    import torch
+
+    import kernelgraft
+
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = _tiny_arch(arch, layers)
     ids = torch.randint(0, 128, (2, 16))
     print(kernelgraft.explain(model, input_ids=ids, labels=ids), file=out)
     return 0
+
+
+def audit_cmd(a, out=None) -> int:
+    """`kernelgraft audit`: a tiny random model of --arch, or a local checkpoint (--model PATH)."""
+    import torch
+
+    out = out or sys.stdout
+    import kernelgraft
+
+    torch.manual_seed(a.seed)
+    dtype = getattr(torch, a.dtype)
+    if a.model:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=dtype)
+    else:
+        model = _tiny_arch(a.arch, a.layers).to(dtype)
+    model = model.to(a.device)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (a.batch, a.seq), device=a.device)
+    labels = ids.clone()
+    labels[:, : a.seq // 4] = -100  # a prompt that is not trained on, as in fine-tuning
+    rep = kernelgraft.audit(
+        model,
+        input_ids=ids,
+        labels=labels,
+        backend=a.backend,
+        compile_reference=not a.no_compile_reference,
+        progress=True,
+    )
+    print(rep.to_markdown(), file=out)
+    if a.out:
+        rep.to_html(a.out)
+        print(f"HTML report: {a.out}", file=out)
+    if a.md:
+        with open(a.md, "w", encoding="utf-8") as f:
+            f.write(rep.to_markdown())
+    return 0 if rep.ok else 1
 
 
 def patterns(out=sys.stdout) -> int:
@@ -165,6 +213,26 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("explain", help="report what would be replaced in a tiny random model")
     e.add_argument("--arch", default="llama", help="a transformers model type, e.g. llama, qwen3, gemma2")
     e.add_argument("--layers", type=int, default=2)
+    au = sub.add_parser(
+        "audit",
+        help="per site and parameter, is the optimized model as accurate as the stock one? (exit 1 if not)",
+        epilog="examples:\n  kernelgraft audit --arch llama --out audit.html\n"
+        "  kernelgraft audit --model ./checkpoint --dtype bfloat16 --out audit.html --md audit.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = au.add_mutually_exclusive_group()
+    src.add_argument("--arch", default="llama", help="a transformers model type for a tiny random model")
+    src.add_argument("--model", help="a local Hugging Face checkpoint directory (no download)")
+    au.add_argument("--layers", type=int, default=2, help="layers of the tiny random model")
+    au.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    au.add_argument("--device", default="cpu", help="cpu or cuda")
+    au.add_argument("--backend", choices=["eager", "inductor"], default="eager")
+    au.add_argument("--batch", type=int, default=2)
+    au.add_argument("--seq", type=int, default=16)
+    au.add_argument("--seed", type=int, default=0)
+    au.add_argument("--out", help="write the HTML report here")
+    au.add_argument("--md", help="write the Markdown report here")
+    au.add_argument("--no-compile-reference", action="store_true", help="skip torch.compile of each site")
     sub.add_parser("patterns", help="list registered patterns and their spellings")
     a = p.parse_args(argv)
     if a.cmd == "demo":
@@ -178,6 +246,22 @@ def main(argv: list[str] | None = None) -> int:
         return demo(a.steps, a.device, a.backend)
     if a.cmd == "explain":
         return explain_arch(a.arch, a.layers)
+    if a.cmd == "audit":
+        import os
+
+        if a.model and not os.path.isdir(a.model):
+            p.error(f"--model {a.model}: not a directory; give a local Hugging Face checkpoint directory")
+        if a.batch < 1 or a.seq < 2 or a.layers < 1:
+            p.error("--batch and --layers must be at least 1, --seq at least 2")
+        if a.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                p.error("--device cuda: no CUDA GPU is visible; use --device cpu")
+        try:
+            return audit_cmd(a)
+        except ValueError as e:  # e.g. an unknown --arch
+            p.error(str(e))
     return patterns()
 
 

@@ -203,7 +203,8 @@ def graft(
 ) -> RewriteReport:
     """Run canonicalize -> match -> replace over one dynamo graph; edit it unless dry_run.
     rounding: how the kernels round ('autograd' as eager PyTorch, 'fused' as inductor).
-    options: keep_logits (bool), lm_head_chunk (tokens), lm_head_accumulate ('fp32' | 'weight')."""
+    options: keep_logits (bool), lm_head_chunk (tokens), lm_head_accumulate ('fp32' | 'weight'),
+    assume_training (bool), probe (with dry_run: a callable given each served site's run-time values)."""
     options = options or {}
     rep = RewriteReport(graphs=1)
     cg: CGraph = canonicalize(gm.graph)
@@ -249,6 +250,8 @@ def graft(
             else:
                 args = tuple(res.tensors[a].fx if a in res.tensors else res.scalars[a] for a in sp.arg_names)
                 entries.append((rec, sp, res.output.fx, args))
+                if options.get("probe") is not None:
+                    _insert_probe(gm, options["probe"], rec, sp, res.output.fx, args)
     best: dict = {}
     for sp, n_ops, anchor, f in failures:
         if anchor.fx in taken:
@@ -266,7 +269,18 @@ def graft(
             r0.paired = r1.paired = True
     else:
         _pair_launches(gm, pairs, rounding)
-    if not dry_run and rep.sites:
+    if rep.sites and (not dry_run or options.get("probe") is not None):
         gm.graph.lint()
         gm.recompile()
     return rep
+
+
+def _insert_probe(gm, probe, rec, sp, before, args) -> None:
+    """Dry run with options['probe']: the graph stays stock, but calls probe(rec, spelling, values)
+    with the values the site's arguments take at run time (what kernelgraft.audit checks)."""
+
+    def kernelgraft_probe(*values):
+        probe(rec, sp, values)
+
+    with gm.graph.inserting_before(before):
+        gm.graph.call_function(kernelgraft_probe, tuple(args))

@@ -109,3 +109,38 @@ def test_paired_rope_in_place_layouts_on_gpu(dtype):
     assert all(torch.equal(a, b) for a, b in zip(paired, separate))
     verdicts = check_spelling(sp, (q, cos, sin), compile_ref=True)
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+
+
+def _thorough_settings():
+    from hypothesis import settings
+
+    return settings(settings.get_profile("thorough"))
+
+
+EXAMPLES_RUN: dict = {}
+
+
+@pytest.mark.parametrize("sp", REGISTRY.spellings(), ids=[s.qualname for s in REGISTRY.spellings()])
+def test_every_spelling_thorough_on_gpu(sp, request):
+    """The property test of tests/test_every_pattern.py under the "thorough" hypothesis profile
+    (200 examples per spelling), compiled for the GPU, with rows up to 131072 wide (the LM head up
+    to 4096: its weight is (3n + 5) x n)."""
+    from hypothesis import given
+    from test_every_pattern import dtypes_for
+
+    from kernelgraft.gradcheck import strategies
+
+    wide = 4096 if sp.kernel == "lm_head_ce" else 131072
+    count = EXAMPLES_RUN.setdefault(sp.qualname, [0])
+
+    @_thorough_settings()
+    @given(strategies.cases(sp, min_rows=4, max_width=wide, dtype_choices=dtypes_for(sp), device="cuda"))
+    def check(case):
+        count[0] += 1
+        verdicts = check_spelling(sp, case.args, compile_ref=False)  # eager alone: the stricter bound
+        bad = [str(v) for v in verdicts if not v.ok]
+        assert not bad, "\n".join(bad)
+
+    check()
+    print(f"\n{sp.qualname}: {count[0]} examples")
+    assert count[0] >= 50  # the profile ran (hypothesis stops early only when it runs out of cases)

@@ -263,3 +263,12 @@ def test_cli_audit_exit_codes_for_bad_usage(tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["audit", "--arch", "not-a-model-type"])
     assert e.value.code == 2
+
+
+def test_cli_audit_of_a_local_checkpoint(tmp_path, capsys):
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path / "ckpt")
+    rc = cli.main(["audit", "--model", str(tmp_path / "ckpt"), "--no-compile-reference", "--seq", "12"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "# kernelgraft audit: Qwen2ForCausalLM" in out and "verdict: ok" in out

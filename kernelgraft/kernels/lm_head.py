@@ -49,7 +49,7 @@ from .sym import round_to
 
 ACCUMULATE = ("fp32", "weight")
 CHUNK_BYTES = 256 * 2**20  # default budget for one chunk of logits
-ABI = 1
+ABI = 2  # bump when the ops' schemas change: it is in their names, so compiled graphs cached with the old ones are not reused
 
 
 # ---- the logit transform, from the spelling ------------------------------------------------------

@@ -36,3 +36,24 @@ def test_every_spelling(sp):
         assert not bad, "\n".join(bad)
 
     check()
+
+
+ROW_SPELLINGS = [s for s in SPELLINGS if s.kernel == "row"]
+
+
+@pytest.mark.parametrize("sp", ROW_SPELLINGS, ids=[s.qualname for s in ROW_SPELLINGS])
+def test_every_spelling_rounds_where_its_reference_rounds(sp):
+    """The upcast path: in bf16 and fp16, the kernel built for the eager backend reproduces eager's
+    rounding bit for bit, and the one built for inductor reproduces inductor's (or both, where the
+    spelling rounds the same way either way). audit_kernel's inputs make the rounding points
+    visible: a cast before instead of after a multiply is flagged (tests/test_audit_kernel.py)."""
+    from kernelgraft.gradcheck import audit_kernel
+    from kernelgraft.kernels import op_for
+
+    shapes = [(4, 64), (3, 200)]
+    for rounding, want in (("autograd", "eager"), ("fused", "inductor")):
+        rep = audit_kernel(op_for(sp, rounding), sp.pattern, sp.name, shapes=shapes, outliers=0)
+        assert rep.ok, str(rep)
+        assert set(rep.rounding) == {"bfloat16", "float16"}
+        for dtype, got in rep.rounding.items():
+            assert got in (want, "eager = inductor"), f"{rounding} kernel, {dtype}: reproduces {got}\n{rep}"

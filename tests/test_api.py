@@ -100,3 +100,28 @@ def test_report_counts_the_code_that_runs_after_recompiles():
     rep = model.kernelgraft_report
     assert rep.graphs >= 2
     assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+
+
+def test_rows_wider_than_the_kernels_serve_fall_back_reported():
+    """A row over MAX_N elements is not served: the site keeps the stock code, explain says why, and
+    the optimized model computes exactly what the stock one does."""
+    from kernelgraft.kernels.rowkernel import MAX_N
+
+    class WideNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(MAX_N + 1) + 0.5)
+
+        def forward(self, x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * h.to(x.dtype)
+
+    x = torch.randn(2, MAX_N + 1)
+    rep = kernelgraft.explain(WideNorm(), x)
+    assert rep.counts() == {} and len(rep.fallbacks) == 1
+    assert f"rows of {MAX_N + 1} elements" in rep.fallbacks[0].reason
+    stock = WideNorm()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    torch.testing.assert_close(mine(x), stock(x), rtol=0, atol=0)
+    assert mine.kernelgraft_report.counts() == {} and mine.kernelgraft_report.fallbacks

@@ -9,8 +9,8 @@ from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
 from kernelgraft.gradcheck import check_spelling
-from kernelgraft.kernels.rowkernel import MAX_N
 from kernelgraft.kernels import op_for
+from kernelgraft.kernels.rowkernel import MAX_N
 from kernelgraft.patterns import REGISTRY
 
 pytestmark = pytest.mark.gpu

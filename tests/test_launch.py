@@ -48,17 +48,38 @@ def test_hf_layouts_are_read_in_place():
     sizes, strides, views = rowkernel._rows(shape, [q, cos, sin, out])
     assert [v.data_ptr() for v in views] == [t.data_ptr() for t in (q, cos, sin, out)]  # no copies
     assert sizes == [2, 4, 6]
-    assert strides[0] == [6 * 4 * 8, 8, 4 * 8]  # q transposed: heads are the inner stride
-    assert strides[1] == [6 * 8, 0, 8] == strides[2]  # cos/sin: stride 0 over heads
-    assert strides[3] == [4 * 6 * 8, 6 * 8, 8]
+    # (D0, D1, D2) strides, then the column stride
+    assert strides[0] == [6 * 4 * 8, 8, 4 * 8, 1]  # q transposed: heads are the inner stride
+    assert strides[1] == [6 * 8, 0, 8, 1] == strides[2]  # cos/sin: stride 0 over heads
+    assert strides[3] == [4 * 6 * 8, 6 * 8, 8, 1]
 
 
 def test_contiguous_dims_collapse_and_unit_dims_drop():
     x = torch.randn(3, 1, 5, 7, 16)
     w = torch.randn(16)
     sizes, strides, _ = rowkernel._rows(x.shape, [x])
-    assert sizes == [1, 1, 105] and strides == [[0, 0, 16]]
+    assert sizes == [1, 1, 105] and strides == [[0, 0, 16, 1]]
     del w
+
+
+def test_an_argument_broadcast_along_the_row_reads_column_stride_0():
+    """A per-element argument of last dim 1 (broadcast across the row) gets column stride 0, and the
+    kernel reads it in place: the same numbers as with the argument expanded and copied."""
+    x = torch.randn(4, 6, 16)
+    b = torch.randn(4, 6, 1)
+    sizes, strides, views = rowkernel._rows(x.shape, [x, b])
+    assert strides[1][-1] == 0 and views[1].data_ptr() == b.data_ptr()
+    sizes2, strides2, _ = rowkernel._rows(x.shape, [x, b.expand(4, 6, 16)])
+    assert (sizes, strides) == (sizes2, strides2)  # planned from shapes and strides: cached alike
+
+
+def test_launch_plans_are_cached():
+    rowkernel._row_plan.cache_clear()
+    x = torch.randn(3, 8, 32)
+    for _ in range(3):
+        rowkernel._rows(x.shape, [x, torch.empty_like(x)])
+    info = rowkernel._row_plan.cache_info()
+    assert info.misses == 1 and info.hits == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -38,12 +38,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..ir import CGraph, CNode
 from .cache import load_module
 from .codegen import HEADER, _cse_lines
 from .derive import derive
+from .rowkernel import _pow2
 from .spec import LOW, SERVED, Unsupported, build_spec
 from .sym import round_to
 
@@ -226,7 +226,7 @@ CE_CONFIG = {"cuda": (4096, 4), "cpu": (8192, 4)}  # (BLOCK_V, num_warps); cuda:
 
 def _ce_config(V: int, device: torch.device) -> tuple[int, int]:
     cap, warps = CE_CONFIG.get(device.type, CE_CONFIG["cuda"])
-    return min(cap, triton.next_power_of_2(max(V, 1))), warps
+    return min(cap, _pow2(max(V, 1))), warps
 
 
 def narrow_in_place(x: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`kernelgraft demo | explain | audit | patterns`: the command line.
+"""`kernelgraft demo | explain | audit | patterns | bench`: the command line.
 
 Exit codes: 0 success, 1 the check failed (loss curves disagree, an audit found a less accurate
 site or gradient), 2 bad usage.
@@ -20,6 +20,8 @@ EXAMPLES = """examples:
                                         optimized model as accurate as the stock one? (HTML + stdout)
   kernelgraft audit --model ./my-checkpoint --dtype bfloat16 --out audit.html --md audit.md
   kernelgraft patterns                  the registered patterns and their spellings
+  kernelgraft bench --out results --parts patterns,steps
+                                        the GPU benchmark suite (benchmarks/suite.py of a checkout)
 """
 
 
@@ -193,6 +195,23 @@ def patterns(out=sys.stdout) -> int:
     return 0
 
 
+def bench(args: list[str], parser) -> int:
+    """Forward to benchmarks/suite.py next to this package (a source checkout)."""
+    import importlib.util
+    from pathlib import Path
+
+    suite = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
+    if not suite.is_file():
+        parser.error(
+            f"kernelgraft bench runs benchmarks/suite.py of a source checkout, and {suite} does not exist: "
+            "clone the repository and run it there (the benchmarks are not part of the installed package)"
+        )
+    spec = importlib.util.spec_from_file_location("kernelgraft_bench_suite", suite)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kernelgraft",
@@ -234,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--md", help="write the Markdown report here")
     au.add_argument("--no-compile-reference", action="store_true", help="skip torch.compile of each site")
     sub.add_parser("patterns", help="list registered patterns and their spellings")
+    b = sub.add_parser(
+        "bench",
+        help="run the GPU benchmark suite of a source checkout (benchmarks/suite.py; --help there)",
+        add_help=False,
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every later argument belongs to the suite, --help included
+        return bench(argv[1:], b)
     a = p.parse_args(argv)
     if a.cmd == "demo":
         if a.steps < 1:

@@ -1,0 +1,487 @@
+"""The benchmark suite of issue 6, in one process per part: every implementation side by side.
+
+Parts (`--parts`, comma-separated; default all):
+  patterns   RMSNorm, RoPE, SwiGLU at the ANCHORS.md shapes and a size sweep: fwd, bwd, fwd+bwd
+             (median ms, triton.testing.do_bench) and peak memory above the inputs, for eager,
+             torch.compile, Liger (when importable), and kernelgraft as users get it: the spelling
+             compiled with the kernelgraft backend, "inductor" and "eager"
+  lm_head    bench_lm_head.py's measurement (eager, compile, Liger, CCE, kernelgraft)
+  steps      one training step (fwd + bwd, no optimizer) of the Llama-3.2-1B shape (8x2048), the
+             Llama-3.1-8B shape (2x4096), a Gemma-2-2B shape (256k vocabulary) and peft LoRA on the
+             1B: eager, torch.compile, kernelgraft (inductor and eager backends), Liger last
+  curves     50 AdamW steps of the 1B shape, eager vs kernelgraft: the loss curves
+
+    python benchmarks/suite.py --out DIR [--parts patterns,steps] [--quick]
+        -> DIR/suite.json, DIR/suite.md     (on the GPU; its host has no matplotlib)
+    python benchmarks/suite.py --plot DIR/suite.json
+        -> DIR/suite_patterns.png, DIR/suite_steps.png, DIR/suite_curves.png   (anywhere)
+
+`kernelgraft bench` runs this file from a source checkout. JSON is rewritten after every
+measurement, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
+
+
+# ---- spellings as transformers writes them ---------------------------------------------------------
+
+
+def hf_rms(x, w, eps=1e-6):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def _liger(name):
+    try:
+        if name == "rms":
+            from liger_kernel.transformers.functional import liger_rms_norm
+
+            return lambda x, w: liger_rms_norm(x, w, 1e-6)
+        if name == "rope":
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+            return liger_rotary_pos_emb
+        if name == "swiglu":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return LigerSiLUMulFunction.apply
+    except Exception as e:  # noqa: BLE001 - an optional peer
+        print(f"liger {name} unavailable: {e}", flush=True)
+    return None
+
+
+def impls(fn, liger_name):
+    import kernelgraft
+
+    out = {
+        "eager": fn,
+        "torch.compile": torch.compile(fn, dynamic=False),
+        "kernelgraft (inductor)": torch.compile(fn, backend=kernelgraft.Grafter("inductor"), dynamic=False),
+        "kernelgraft (eager)": torch.compile(fn, backend=kernelgraft.Grafter("eager"), dynamic=False),
+    }
+    lg = _liger(liger_name)
+    if lg is not None:
+        out["liger"] = lg  # last: it writes into its inputs' gradients
+    return out
+
+
+def pattern_cases(quick: bool):
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+
+    def rms(M, N):
+        def make():
+            return (torch.randn(M, N, **bf).requires_grad_(), torch.randn(N, **bf).requires_grad_())
+
+        return f"RMSNorm {M}x{N}", hf_rms, "rms", make, 2 * 2 * M * N * 2  # x, y fwd; dy, dx bwd
+
+    def rope(B, Hq, Hk, S, D):
+        def make():
+            q = torch.randn(B, S, Hq, D, **bf).transpose(1, 2).requires_grad_()
+            k = torch.randn(B, S, Hk, D, **bf).transpose(1, 2).requires_grad_()
+            ang = torch.randn(B, S, D // 2, device="cuda").repeat(1, 1, 2)  # cat(freqs, freqs)
+            return q, k, ang.cos().bfloat16(), ang.sin().bfloat16()
+
+        n = B * S * (Hq + Hk) * D
+        return f"RoPE q {B}x{Hq}x{S}x{D}, k {B}x{Hk}x{S}x{D}", hf_rope, "rope", make, 4 * n * 2
+
+    def mlp(M, N):
+        def make():
+            return torch.randn(M, N, **bf).requires_grad_(), torch.randn(M, N, **bf).requires_grad_()
+
+        return f"SwiGLU {M}x{N}", swiglu, "swiglu", make, 7 * M * N * 2
+
+    cases = [rms(16384, 4096), rope(8, 32, 8, 2048, 128), mlp(16384, 14336)]  # ANCHORS.md
+    if not quick:
+        cases += [rms(M, 4096) for M in (1024, 4096, 65536)] + [rms(4096, N) for N in (2048, 8192)]
+        cases += [rope(B, 32, 8, 2048, 128) for B in (1, 2)] + [mlp(M, 8192) for M in (4096, 32768)]
+    return cases
+
+
+def measure_pattern(name, fn, liger_name, make, floor_bytes):
+    from triton.testing import do_bench
+
+    rows = {}
+    for impl, f in impls(fn, liger_name).items():
+        try:
+            torch.manual_seed(0)
+            args = make()
+            leaves = [a for a in args if a.requires_grad]
+            outs = f(*args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            g0 = [torch.randn_like(o) for o in outs]
+
+            def fwd(f=f, args=args):
+                with torch.no_grad():
+                    f(*args)
+
+            def fwd_bwd(f=f, args=args, leaves=leaves, g0=g0):
+                o = f(*args)
+                torch.autograd.grad(o if isinstance(o, tuple) else (o,), leaves, [g.clone() for g in g0])
+
+            t_f = do_bench(fwd, warmup=25, rep=100, return_mode="median")
+            t_fb = do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fwd_bwd()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            rows[impl] = dict(fwd_ms=t_f, bwd_ms=max(t_fb - t_f, 0.0), fwd_bwd_ms=t_fb, peak_mib=peak)
+        except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
+            traceback.print_exc()
+            rows[impl] = dict(error=f"{type(e).__name__}: {e}"[:300])
+        print(f"{name} {impl}: {rows[impl]}", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return dict(name=name, floor_ms=floor_bytes / BW * 1e3, impls=rows)
+
+
+# ---- training steps --------------------------------------------------------------------------------
+
+SHAPES = {
+    "llama-1b 8x2048": dict(
+        arch="llama", B=8, S=2048,
+        cfg=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
+    ),
+    "llama-8b 2x4096": dict(
+        arch="llama", B=2, S=4096,
+        cfg=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
+    ),
+    "gemma2-2b 8x2048": dict(
+        arch="gemma2", B=8, S=2048,
+        cfg=dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=256, vocab_size=256000, final_logit_softcapping=30.0,
+                 attn_logit_softcapping=None, sliding_window=4096),
+    ),
+    "llama-1b LoRA 8x2048": dict(arch="llama", B=8, S=2048, lora=True, cfg=None),
+}  # fmt: skip
+SHAPES["llama-1b LoRA 8x2048"]["cfg"] = SHAPES["llama-1b 8x2048"]["cfg"]
+MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)", "liger")
+
+
+def build(shape, mode):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import kernelgraft
+
+    s = SHAPES[shape]
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(s["arch"], max_position_embeddings=2 * s["S"], **s["cfg"])
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    if s.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        lc = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        model = get_peft_model(model, lc)
+    if mode == "torch.compile":
+        model.compile()
+    elif mode.startswith("kernelgraft"):
+        kernelgraft.optimize(model, backend="inductor" if "inductor" in mode else "eager")
+    elif mode == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model.get_base_model() if s.get("lora") else model)
+    return model
+
+
+def measure_step(shape, mode, steps):
+    s = SHAPES[shape]
+    model = build(shape, mode)
+    ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device="cuda")
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    first_loss = step()
+    first = time.perf_counter() - t
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    med = sorted(times)[len(times) // 2]
+    out = dict(
+        tok_s=s["B"] * s["S"] / med,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+        first_step_s=first,
+        loss=first_loss,
+    )
+    if mode.startswith("kernelgraft"):
+        out["sites"] = model.kernelgraft_report.counts()
+    return out
+
+
+def loss_curves(steps=50):
+    """50 AdamW steps of the 1B shape on one fixed stream of random batches: eager vs kernelgraft."""
+    out = {}
+    for mode in ("eager", "kernelgraft (inductor)"):
+        model = build("llama-1b 8x2048", mode)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, 128256, (8, 2048), device="cuda", generator=gen)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        out[mode] = losses
+        print(mode, "losses", [round(x, 4) for x in losses[:: max(1, steps // 10)]], flush=True)
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+
+def markdown(doc) -> str:
+    L = [f"Benchmark suite, bf16, {doc['gpu']}, {doc['date']}, {doc['versions']}\n"]
+    for r in doc.get("patterns", []):
+        imp = r["impls"]
+        ref = {k: imp.get(k, {}).get("fwd_bwd_ms") for k in ("eager", "torch.compile", "liger")}
+        L += [
+            f"\n**{r['name']}** (memory floor, fwd+bwd: {r['floor_ms']:.3f} ms)\n",
+            "| impl | fwd ms | bwd ms | fwd+bwd ms | vs eager | vs compile | vs Liger | peak MiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for n, v in imp.items():
+            if "error" in v:
+                L.append(f"| {n} | failed: {v['error'][:80]} | | | | | | |")
+                continue
+            rat = [f"{ref[k] / v['fwd_bwd_ms']:.2f}x" if ref[k] else "-" for k in ref]
+            L.append(
+                f"| {n} | {v['fwd_ms']:.3f} | {v['bwd_ms']:.3f} | {v['fwd_bwd_ms']:.3f} | {' | '.join(rat)} | "
+                f"{v['peak_mib']:.0f} |"
+            )
+    for shape, modes in doc.get("steps", {}).items():
+        base = {k: modes.get(k, {}).get("tok_s") for k in ("eager", "torch.compile", "liger")}
+        L += [
+            f"\n**Training step, {shape}** (fwd + bwd, no optimizer)\n",
+            "| mode | tokens/s | vs eager | vs compile | vs Liger | peak GiB | first step s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for m, v in modes.items():
+            if "error" in v:
+                L.append(f"| {m} | failed: {v['error'][:80]} | | | | | |")
+                continue
+            rat = [f"{v['tok_s'] / base[k]:.2f}x" if base[k] else "-" for k in base]
+            L.append(
+                f"| {m} | {v['tok_s']:,.0f} | {' | '.join(rat)} | {v['peak_gib']:.1f} | {v['first_step_s']:.1f} |"
+            )
+    if doc.get("curves"):
+        c = doc["curves"]
+        a, b = c.get("eager"), c.get("kernelgraft (inductor)")
+        if a and b:
+            d = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+            L.append(
+                f"\nLoss curves, 50 AdamW steps, 1B shape: max relative difference {d:.2e}; last {a[-1]:.4f} vs {b[-1]:.4f}"
+            )
+    return "\n".join(L) + "\n"
+
+
+def plot(path):
+    """PNG plots from a suite.json (needs matplotlib; run where it is installed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.load(open(path))
+    stem = os.path.splitext(path)[0]
+    made = []
+    pats = doc.get("patterns", [])
+    if pats:
+        names = [r["name"] for r in pats]
+        impls_ = sorted({k for r in pats for k in r["impls"]})
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4))
+        w = 0.8 / len(impls_)
+        for i, imp in enumerate(impls_):
+            ys = [
+                r["impls"].get(imp, {}).get("fwd_bwd_ms", float("nan")) / r["impls"]["torch.compile"]["fwd_bwd_ms"]
+                if "fwd_bwd_ms" in r["impls"].get("torch.compile", {}) else float("nan")
+                for r in pats
+            ]  # fmt: skip
+            ax.bar([j + i * w for j in range(len(names))], ys, w, label=imp)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(
+            [j + 0.4 - w / 2 for j in range(len(names))], names, rotation=30, ha="right", fontsize=7
+        )
+        ax.set_ylabel("fwd+bwd time / torch.compile's")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(stem + "_patterns.png", dpi=130)
+        made.append(stem + "_patterns.png")
+    steps = doc.get("steps", {})
+    if steps:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+        shapes = list(steps)
+        modes = sorted({m for v in steps.values() for m in v})
+        w = 0.8 / len(modes)
+        for i, m in enumerate(modes):
+            a1.bar(
+                [j + i * w for j in range(len(shapes))],
+                [steps[s].get(m, {}).get("tok_s", 0) for s in shapes],
+                w,
+                label=m,
+            )
+            a2.bar(
+                [j + i * w for j in range(len(shapes))],
+                [steps[s].get(m, {}).get("peak_gib", 0) for s in shapes],
+                w,
+                label=m,
+            )
+        for ax, lab in ((a1, "tokens/s"), (a2, "peak GiB")):
+            ax.set_xticks([j + 0.4 - w / 2 for j in range(len(shapes))], shapes, rotation=15, fontsize=8)
+            ax.set_ylabel(lab)
+        a1.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(stem + "_steps.png", dpi=130)
+        made.append(stem + "_steps.png")
+    if doc.get("curves"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for m, ys in doc["curves"].items():
+            ax.plot(range(1, len(ys) + 1), ys, label=m, lw=1.2, ls="-" if m == "eager" else "--")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title("Llama-3.2-1B shape, 8x2048, AdamW: eager vs kernelgraft")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + "_curves.png", dpi=130)
+        made.append(stem + "_curves.png")
+    return made
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="kernelgraft bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--parts", default="patterns,lm_head,steps,curves")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="training-step shapes, comma-separated")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="ANCHORS.md shapes only, no sweep")
+    ap.add_argument("--plot", metavar="JSON", help="only make the PNG plots of an earlier run")
+    ap.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="merge runs (later wins) into --out, then plot"
+    )
+    a = ap.parse_args(argv)
+    if a.merge:
+        doc = {}
+        for p in a.merge:
+            d = json.load(open(p))
+            for k, v in d.items():
+                if k == "steps":
+                    for shape, modes in v.items():
+                        doc.setdefault("steps", {}).setdefault(shape, {}).update(modes)
+                else:
+                    doc[k] = v
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, "suite.json")
+        json.dump(doc, open(path, "w"), indent=1)
+        open(os.path.join(a.out, "suite.md"), "w").write(markdown(doc))
+        a.plot = path
+    if a.plot:
+        for p in plot(a.plot):
+            print(p)
+        return 0
+    if not torch.cuda.is_available():
+        print("kernelgraft bench: needs a CUDA GPU (the numbers are GPU timings)", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    import transformers
+    import triton
+
+    doc = dict(
+        date=datetime.date.today().isoformat(),
+        gpu=torch.cuda.get_device_name(),
+        versions=f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}",
+    )
+    path = os.path.join(a.out, "suite.json")
+
+    def save():
+        json.dump(doc, open(path, "w"), indent=1)
+        open(os.path.join(a.out, "suite.md"), "w").write(markdown(doc))
+
+    parts = a.parts.split(",")
+    if "patterns" in parts:
+        doc["patterns"] = []
+        for case in pattern_cases(a.quick):
+            doc["patterns"].append(measure_pattern(*case))
+            save()
+    if "lm_head" in parts:
+        sys.path.insert(0, HERE)
+        import bench_lm_head
+
+        doc["lm_head"] = [bench_lm_head.measure(*s) for s in bench_lm_head.SHAPES]
+        save()
+    if "steps" in parts:
+        doc["steps"] = {shape: {} for shape in a.shapes.split(",")}
+        # Liger patches transformers' modules for the rest of the process: its runs come last
+        order = [(m, sh) for m in a.modes.split(",") if m != "liger" for sh in doc["steps"]]
+        order += [("liger", sh) for sh in doc["steps"] if "liger" in a.modes.split(",")]
+        for mode, shape in order:
+            try:
+                r = measure_step(shape, mode, a.steps)
+            except Exception as e:  # noqa: BLE001 - a failing mode is reported, the others still run
+                traceback.print_exc()
+                r = dict(error=f"{type(e).__name__}: {e}"[:300])
+            print(shape, mode, r, flush=True)
+            doc["steps"][shape][mode] = r
+            gc.collect()
+            torch.cuda.empty_cache()
+            save()
+    if "curves" in parts:
+        doc["curves"] = loss_curves()
+        save()
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""`kernelgraft bench`: forwards to benchmarks/suite.py; without a GPU it says so (exit 2); its
+report side (Markdown, merge of partial runs, PNG plots) works anywhere."""
+
+import json
+
+import pytest
+import torch
+
+from kernelgraft import cli
+
+
+def fake_run(date="2026-11-29"):
+    imp = lambda ms: dict(fwd_ms=ms / 3, bwd_ms=2 * ms / 3, fwd_bwd_ms=ms, peak_mib=100.0)  # noqa: E731
+    return dict(
+        date=date,
+        gpu="NVIDIA H200",
+        versions="torch x",
+        patterns=[
+            dict(
+                name="RMSNorm 16384x4096",
+                floor_ms=0.157,
+                impls={"eager": imp(2.7), "torch.compile": imp(0.3), "kernelgraft (inductor)": imp(0.25)},
+            )
+        ],
+        steps={"llama-1b 8x2048": {"eager": dict(tok_s=50000.0, peak_gib=50.0, first_step_s=2.0, loss=12.0)}},
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_bench_without_a_gpu_says_so(capsys):
+    assert cli.main(["bench", "--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_help_is_the_suites(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0 and "--parts" in capsys.readouterr().out
+
+
+def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
+    a = fake_run()
+    b = fake_run()
+    del b["patterns"]
+    b["steps"] = {
+        "llama-1b 8x2048": {
+            "kernelgraft (inductor)": dict(tok_s=60000.0, peak_gib=26.0, first_step_s=20.0, loss=12.0)
+        }
+    }
+    b["curves"] = {"eager": [12.0, 11.0, 10.5], "kernelgraft (inductor)": [12.0, 11.0001, 10.5002]}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = tmp_path / "merged"
+    assert cli.main(["bench", "--merge", str(pa), str(pb), "--out", str(out)]) == 0
+    doc = json.loads((out / "suite.json").read_text())
+    assert set(doc["steps"]["llama-1b 8x2048"]) == {"eager", "kernelgraft (inductor)"}
+    md = (out / "suite.md").read_text()
+    assert "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 |" in md
+    assert "| kernelgraft (inductor) | 60,000 | 1.20x | - | - | 26.0 | 20.0 |" in md
+    assert "max relative difference 1.90e-05" in md
+    for part in ("patterns", "steps", "curves"):
+        png = out / f"suite_{part}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -219,3 +219,41 @@ def test_an_unused_output_of_a_pair_gets_no_gradient_and_the_other_is_right():
     dq, dk = torch.autograd.grad(yq.sum(), (q, k), allow_unused=True, materialize_grads=True)
     (want,) = torch.autograd.grad(op_for(ROPE)(q, cos, sin).sum(), (q,))
     assert torch.equal(dq, want) and torch.equal(dk, torch.zeros_like(k))
+
+
+@pytest.mark.parametrize("shape", [(8, 768), (3, 5, 1400), (2, 4096)])
+def test_elementwise_ops_are_recut_into_power_of_two_rows(shape, monkeypatch):
+    """A gated MLP's rows of 768 or 1400 are padded in registers; re-cut into rows of up to 4096 that
+    divide the tensor, the kernel computes the same numbers bit for bit (forward and backward)."""
+    sp = REGISTRY.get("gated_mlp", "silu")
+    op = op_for(sp)
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(*shape, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    dy = torch.randn(*shape, generator=g).bfloat16()
+    cuts = []
+    real = rowkernel._recut
+    monkeypatch.setattr(rowkernel, "_recut", lambda s, a, C: cuts.append(C) or real(s, a, C))
+    y = op(gate, up)
+    grads = torch.autograd.grad(y, (gate, up), dy)
+    n = gate.numel()
+    want = next((c for c in rowkernel.FLAT_ROWS if n % c == 0), 0) if shape[-1] & (shape[-1] - 1) else 0
+    assert cuts == ([want, want] if want else [])
+    monkeypatch.setattr(rowkernel, "FLAT_ROWS", ())  # the rows as they come
+    y0 = op(gate, up)
+    grads0 = torch.autograd.grad(y0, (gate, up), dy)
+    assert torch.equal(y, y0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
+    assert y.shape == gate.shape and all(a.shape == gate.shape for a in grads)
+
+
+def test_recut_is_not_done_for_rows_that_mean_something():
+    """Norms reduce along the row, RoPE permutes within it: their rows are kept."""
+    for pattern, spelling in [("rms_norm", "llama"), ("rope", "rotate_half")]:
+        sp = REGISTRY.get(pattern, spelling)
+        kinds = {n: ("col" if n == "weight" else "elem") for n in sp.tensor_names}
+        k = rowkernel.row_kernel(sp, {n: torch.float32 for n in sp.tensor_names}, kinds)
+        assert not k.elementwise
+    sp = REGISTRY.get("gated_mlp", "silu")
+    k = rowkernel.row_kernel(
+        sp, {n: torch.float32 for n in sp.tensor_names}, dict.fromkeys(sp.tensor_names, "elem")
+    )
+    assert k.elementwise

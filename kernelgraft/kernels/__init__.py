@@ -50,6 +50,7 @@ class KernelSource:
     forward: str
     backward: str
     path: str
+    gradients: dict  # argument -> its derived gradient (sympy, in the spec's symbols; g: the incoming one)
 
     def __str__(self) -> str:
         return f"# {self.pattern}.{self.spelling} ({self.path})\n{self.forward}\n\n{self.backward}"
@@ -63,6 +64,8 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     >>> src = kernelgraft.kernels.source("rms_norm")
     >>> "tl.rsqrt" in src.forward and "def rms_norm__llama_bwd" in src.backward
     True
+    >>> sorted(src.gradients)  # derived with sympy: one expression per tensor argument
+    ['weight', 'x']
     """
     from ..patterns import REGISTRY
     from .codegen import backward_source, forward_source
@@ -71,8 +74,9 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     names = sp.tensor_names
     kinds = {n: ("elem" if i == 0 else "col") for i, n in enumerate(names)}
     k = row_kernel(sp, {n: dtype for n in names}, kinds)
+    grads = {t.removeprefix("v_"): str(k.backward.grads[t]) for t in k.spec.tensors}
     return KernelSource(
-        sp.pattern, sp.name, forward_source(k.spec), backward_source(k.spec, k.backward), str(k.path)
+        sp.pattern, sp.name, forward_source(k.spec), backward_source(k.spec, k.backward), str(k.path), grads
     )
 
 

@@ -82,12 +82,13 @@ class Layout:
 
 
 def layout(spelling, tensors: dict[str, torch.Tensor]) -> Layout:
-    return _layout(spelling, tuple((n, tuple(t.shape)) for n, t in tensors.items()))
+    shapes = tuple((n, tuple(t.shape)) for n, t in tensors.items())
+    if all(type(d) is int for _, s in shapes for d in s):
+        return _layout_cached(spelling, shapes)
+    return _layout(spelling, shapes)  # symbolic sizes (dynamic shapes, at capture): not hashable
 
 
-@functools.lru_cache(maxsize=4096)
 def _layout(spelling, shapes: tuple) -> Layout:
-    """Cached per argument shapes: the launcher's host time is part of every call (issue 6)."""
     try:
         shape = torch.broadcast_shapes(*(s for _, s in shapes))
     except RuntimeError:
@@ -110,6 +111,10 @@ def _layout(spelling, shapes: tuple) -> Layout:
         else:
             kinds[n] = "elem"
     return Layout(shape, M, N, kinds)
+
+
+# cached per argument shapes: the launcher runs on every call, and its host time counts (issue 6)
+_layout_cached = functools.lru_cache(maxsize=4096)(_layout)
 
 
 def _pow2(n: int) -> int:

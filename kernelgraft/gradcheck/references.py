@@ -20,7 +20,15 @@ def _widen(a):
 
 
 class Float64Everywhere(TorchFunctionMode):
-    """Within this mode, `.float()`, `.to(torch.bfloat16)`, `dtype=torch.float32` ... mean float64."""
+    """Within this mode, `.float()`, `.to(torch.bfloat16)`, `dtype=torch.float32` ... mean float64.
+
+    >>> import torch
+    >>> from kernelgraft.gradcheck import Float64Everywhere
+    >>> x = torch.ones(2, dtype=torch.float64)
+    >>> with Float64Everywhere():
+    ...     (x.float().dtype, x.to(torch.bfloat16).dtype, torch.zeros(1, dtype=torch.float32).dtype)
+    (torch.float64, torch.float64, torch.float64)
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -32,7 +40,16 @@ class Float64Everywhere(TorchFunctionMode):
 
 
 def run_with_grads(fn, args, grad_out, *, truth: bool = False):
-    """Run fn(*args) and backpropagate grad_out -> (output, [grad of each tensor argument])."""
+    """Run fn(*args) and backpropagate grad_out -> (output, [grad of each tensor argument]).
+    truth=True runs on float64 copies under Float64Everywhere.
+
+    >>> import torch
+    >>> from kernelgraft.gradcheck import run_with_grads
+    >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+    >>> out, (gx,) = run_with_grads(lambda t: t * t, (x,), torch.ones(2), truth=True)
+    >>> out.dtype, gx.tolist()
+    (torch.float64, [2.0, 4.0])
+    """
     leaves = []
     call = []
     for a in args:

@@ -19,7 +19,15 @@ FLOOR = 4 * EPS32
 
 def rel_error(candidate: torch.Tensor | None, truth: torch.Tensor | None) -> float:
     """||candidate - truth|| / ||truth|| over the finite entries of truth (inf if non-finite
-    entries disagree, or the candidate is missing where truth is not)."""
+    entries disagree, or the candidate is missing where truth is not).
+
+    >>> import torch
+    >>> from kernelgraft.gradcheck import rel_error
+    >>> round(rel_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5]).double()), 4)  # 0.5 / 5.41
+    0.0925
+    >>> rel_error(None, torch.ones(2)), rel_error(torch.tensor([float("nan")]), torch.ones(1))
+    (inf, inf)
+    """
     if truth is None:
         return 0.0 if candidate is None else math.inf
     if candidate is None:
@@ -62,6 +70,17 @@ class Verdict:
 
 
 def judge(what: str, truth, kernelgraft, eager, compiled=None) -> Verdict:
+    """The rule applied to one quantity: each candidate's error vs `truth`, and the verdict.
+
+    >>> import torch
+    >>> from kernelgraft.gradcheck import judge
+    >>> truth = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64)
+    >>> v = judge("out", truth, truth.float(), truth.bfloat16())
+    >>> v.ok, v.kernelgraft < v.eager
+    (True, True)
+    >>> judge("out", truth, truth.bfloat16() * 1.01, truth.float()).ok  # less accurate than eager
+    False
+    """
     return Verdict(
         what,
         rel_error(kernelgraft, truth),

@@ -15,7 +15,16 @@ KERNELS = ("row", "lm_head_ce")  # the kernel families a spelling can name
 
 
 def op_for(spelling, rounding: str = "autograd"):
-    """The custom op serving `spelling` (defined on first use), from its kernel family."""
+    """The custom op serving `spelling` (defined on first use), from its kernel family. Called
+    with the spelling's own arguments, it computes what the spelling computes, with gradients.
+
+    >>> import torch, kernelgraft
+    >>> sp = kernelgraft.patterns.REGISTRY.get("gated_mlp", "silu")
+    >>> gate, up = torch.randn(4, 8), torch.randn(4, 8)
+    >>> op = kernelgraft.kernels.op_for(sp)
+    >>> torch.allclose(op(gate, up), sp.fn(gate, up), rtol=1e-6, atol=1e-7)
+    True
+    """
     if spelling.kernel == "lm_head_ce":
         return lm_head.op_for(spelling, rounding)
     if spelling.kernel != "row":
@@ -24,7 +33,15 @@ def op_for(spelling, rounding: str = "autograd"):
 
 
 def refusal(spelling, metas: dict, rounding: str = "autograd", options: dict | None = None) -> str | None:
-    """Why the kernels cannot serve a site with these argument metas (None: they can)."""
+    """Why the kernels cannot serve a site with these argument metas (None: they can).
+
+    >>> import torch, kernelgraft
+    >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
+    >>> kernelgraft.kernels.refusal(sp, {"x": torch.empty(2, 70000), "weight": torch.empty(70000)})
+    'rows of 70000 elements; generated kernels serve at most 65536'
+    >>> kernelgraft.kernels.refusal(sp, {"x": torch.empty(2, 64), "weight": torch.empty(64)}) is None
+    True
+    """
     if spelling.kernel == "lm_head_ce":
         return lm_head.refusal(spelling, metas, rounding, options or {})
     first = metas[spelling.tensor_names[0]]

@@ -21,7 +21,14 @@ _SEAL = "# kernelgraft-sha256: "
 
 
 def cache_dir() -> Path:
-    """Where generated kernels live: $KERNELGRAFT_CACHE_DIR, else ~/.cache/kernelgraft (XDG)."""
+    """Where generated kernels live: $KERNELGRAFT_CACHE_DIR, else ~/.cache/kernelgraft (XDG).
+
+    >>> import os, kernelgraft
+    >>> os.environ["KERNELGRAFT_CACHE_DIR"] = "/tmp/kg-doc-cache"
+    >>> str(kernelgraft.kernels.cache_dir())
+    '/tmp/kg-doc-cache'
+    >>> del os.environ["KERNELGRAFT_CACHE_DIR"]
+    """
     env = os.environ.get("KERNELGRAFT_CACHE_DIR")
     if env:
         return Path(env).expanduser()

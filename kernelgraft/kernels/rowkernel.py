@@ -65,6 +65,16 @@ def _row_kernel(spelling, dtypes: tuple, kinds: tuple, rounding: str) -> RowKern
 
 
 def row_kernel(spelling, dtypes: dict, kinds: dict, rounding: str = "autograd") -> RowKernel:
+    """The generated kernel pair of `spelling` for these argument dtypes and kinds ("elem": one
+    value per element, "col": one per column, a weight), built once: spec, derived backward, source.
+
+    >>> import torch, kernelgraft
+    >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
+    >>> k = kernelgraft.kernels.row_kernel(sp, {"x": torch.bfloat16, "weight": torch.bfloat16},
+    ...                                    {"x": "elem", "weight": "col"})
+    >>> k.spec.out_dtype, k.elementwise, len(k.spec.reductions)
+    (torch.bfloat16, False, 1)
+    """
     names = spelling.tensor_names
     dt = tuple((n, dtypes[n]) for n in names)
     return _row_kernel(spelling, dt, tuple((n, kinds[n]) for n in names), rounding)

@@ -21,6 +21,11 @@ class Scalar(float):
 
     The matcher captures it from the model graph instead of burning it into the pattern, so
     `eps=1e-5` and `eps=1e-6` both match.
+
+    >>> import kernelgraft
+    >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
+    >>> sp.arg_names, sorted(sp.scalar_names)
+    (('x', 'weight', 'eps'), ['eps'])
     """
 
 
@@ -197,7 +202,13 @@ def pattern(
 
 
 def dtype_check(site: Site, allowed=(torch.float32, torch.bfloat16, torch.float16)) -> str | None:
-    """The common extra_check: floating tensors the kernels compute in, on one device."""
+    """The common extra_check: floating tensors the kernels compute in, on one device.
+
+    >>> import torch
+    >>> from kernelgraft.patterns import Site, dtype_check
+    >>> dtype_check(Site("p", "s", {"x": torch.empty(2, dtype=torch.float64)}, {}))
+    'x is torch.float64; kernels serve torch.float32, torch.bfloat16, torch.float16'
+    """
     devices = {t.device.type for t in site.tensors.values()}
     if len(devices) > 1:
         return f"arguments on several devices {sorted(devices)}"

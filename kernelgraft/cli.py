@@ -72,10 +72,13 @@ def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=
     report = kernelgraft.explain(stock, **batch)
     print(report, file=out)
 
-    def train(model):
+    from tqdm.auto import tqdm
+
+    def train(model, desc):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, times = [], []
-        for _ in range(steps):
+        # progress on stderr (a terminal only): stdout keeps the table a script reads
+        for _ in tqdm(range(steps), desc=desc, disable=None, leave=False):
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -87,8 +90,8 @@ def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=
             times.append(time.perf_counter() - t)
         return losses, times
 
-    base, t_base = train(stock)
-    mine, t_mine = train(grafted)
+    base, t_base = train(stock, "stock model")
+    mine, t_mine = train(grafted, "kernelgraft (first step compiles)")
     print(f"\n{'step':>4}  {'stock loss':>12}  {'kernelgraft loss':>16}  {'rel diff':>9}", file=out)
     worst = 0.0
     for i, (a, b) in enumerate(zip(base, mine)):

@@ -257,3 +257,42 @@ def test_recut_is_not_done_for_rows_that_mean_something():
         sp, {n: torch.float32 for n in sp.tensor_names}, dict.fromkeys(sp.tensor_names, "elem")
     )
     assert k.elementwise
+
+
+@pytest.fixture
+def broken_kernels(monkeypatch):
+    """Every generated kernel fails at launch, as a Triton compile error would."""
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("injected: triton compilation failed")
+
+            return launch
+
+    monkeypatch.setattr(rowkernel.RowKernel, "fn", lambda self, which, device: Broken())
+    monkeypatch.setattr(rowkernel, "FAILED", {})
+    return rowkernel
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(broken_kernels):
+    from kernelgraft.kernels import failed_kernels
+
+    x = torch.randn(6, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="failed on cpu .*injected.*stock PyTorch code"):
+        y = op_for(RMS)(x, w, 1e-6)
+    gx, gw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    ref = RMS.fn(x, w, 1e-6)
+    rx, rw = torch.autograd.grad(ref, (x, w), torch.ones_like(ref))
+    assert torch.equal(y, ref) and torch.equal(gx, rx) and torch.equal(gw, rw)  # the stock numbers
+    assert any("rms_norm" in k[0] and "injected" in v for k, v in failed_kernels().items())
+
+
+def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels):
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    with pytest.warns(RuntimeWarning, match="stock PyTorch code"):
+        verdicts = compare_models(mine, stock, batch(), compiled=False)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+    assert len(broken_kernels.FAILED) >= 3  # norm, rope (paired), gated mlp: each warned once

@@ -97,4 +97,27 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     )
 
 
-__all__ = ["KERNELS", "KernelSource", "Unsupported", "cache_dir", "op_for", "refusal", "row_kernel", "source"]
+def failed_kernels() -> dict:
+    """Generated kernels that failed to compile or launch in this process, with why:
+    {(kernel name, device type): reason}. Their sites run the stock PyTorch code (a warning said so).
+
+    >>> import kernelgraft
+    >>> isinstance(kernelgraft.kernels.failed_kernels(), dict)
+    True
+    """
+    from .rowkernel import FAILED
+
+    return dict(FAILED)
+
+
+__all__ = [
+    "KERNELS",
+    "KernelSource",
+    "Unsupported",
+    "cache_dir",
+    "failed_kernels",
+    "op_for",
+    "refusal",
+    "row_kernel",
+    "source",
+]

@@ -312,6 +312,8 @@ def forward_group(
             f"{spelling.qualname}: {len(groups)} groups in one launch; generated entries serve {GROUPS}"
         )
     k = _kernel(spelling, groups[0], rounding)
+    if (k.spec.name, dev_type(groups)) in FAILED:
+        return [_reference_forward(spelling, a, k) for a in arg_sets]
     C = _flat_rows(k, groups)
     if C:
         out, _ = forward_group(spelling, [_recut(spelling, arg_sets[0], C)], rounding)[0]
@@ -345,7 +347,13 @@ def forward_group(
             shared += [v, v.stride(0)]
     cfg = _config(max(g.lay.M for g in groups), N, dev)
     grid = (sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
-    k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg)
+    try:
+        k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg)
+    except Unsupported:
+        raise
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: the stock code runs
+        _failed(k, dev, e)
+        return [_reference_forward(spelling, a, k) for a in arg_sets]
     return results
 
 
@@ -385,6 +393,8 @@ def backward_group(
         ]
     needs = [any(col) for col in zip(*needs_per_set)]
     k = _kernel(spelling, groups[0], rounding)
+    if (k.spec.name, dev_type(groups)) in FAILED:
+        return [_reference_backward(spelling, g, a, nd) for g, a, nd in zip(grads, arg_sets, needs_per_set)]
     C = _flat_rows(k, groups, extra=grads)
     if C:
         res = backward_group(
@@ -442,7 +452,13 @@ def backward_group(
             if kinds[n] == "col":
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
-        k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](*shared, *gargs, N, float(N), **cfg, **flags)
+        try:
+            k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](*shared, *gargs, N, float(N), **cfg, **flags)
+        except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
+            _failed(k, dev, e)
+            return [
+                _reference_backward(spelling, g, a, nd) for g, a, nd in zip(grads, arg_sets, needs_per_set)
+            ]
     out = []
     col_grads = {
         n: col_bufs[n].sum(0).to(groups[0].tensors[n].dtype).view(groups[0].tensors[n].shape)
@@ -462,6 +478,61 @@ def backward_group(
             else:  # a broadcast argument: its full gradient, summed back to its shape
                 res.append(bufs[n].float().sum_to_size(t.shape).to(t.dtype))
         out.append(res)
+    return out
+
+
+# ---- a kernel that fails at run time (compile error, out of resources): the stock code instead -----
+
+FAILED: dict = {}  # (kernel name, device type) -> why; see kernelgraft.kernels.failed_kernels()
+
+
+def dev_type(groups: list[_Group]) -> str:
+    return next(iter(groups[0].tensors.values())).device.type
+
+
+def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:
+    import warnings
+
+    key = (k.spec.name, dev.type)
+    if key not in FAILED:
+        FAILED[key] = f"{type(e).__name__}: {e}"[:500]
+        warnings.warn(
+            f"kernelgraft: the generated kernel {k.spec.name} failed on {dev.type} ({FAILED[key][:200]}). "
+            "Its sites run their stock PyTorch code from now on: same numbers as without kernelgraft, "
+            f"without the speed-up. Generated source: {k.path}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, row stats) from the spelling itself; the stats are unused on this path."""
+    with torch.no_grad():
+        out = spelling.fn(*args)
+    K = max(len(k.spec.reductions), 1)
+    return out, torch.empty((*out.shape[:-1], K), dtype=torch.float32, device=out.device)
+
+
+def _reference_backward(spelling, grad: torch.Tensor, args: tuple, needs: list[bool]) -> list[torch.Tensor]:
+    """The spelling's own gradients, in the launcher's return layout. torch.func.vjp, not
+    autograd: inside a custom op's implementation autograd does not record."""
+    names = [n for n in spelling.arg_names if n in spelling.tensor_names]
+    named = dict(zip(spelling.arg_names, args))
+    diff = [n for n, need in zip(names, needs) if need and named[n].is_floating_point()]
+
+    def f(*ts):
+        call = dict(named, **dict(zip(diff, ts)))
+        return spelling.fn(*(call[a] for a in spelling.arg_names))
+
+    if diff:
+        y, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
+        got = dict(zip(diff, vjp(grad.to(y.dtype))))
+    else:
+        got = {}
+    out = []
+    for n, need in zip(names, needs):
+        t = named[n]
+        out.append(got.get(n, torch.zeros_like(t)) if need else t.new_empty(0))
     return out
 
 

@@ -1,0 +1,75 @@
+"""Two CPU processes (gloo): the stock model and the optimized one under the same wrapper (DDP or
+FSDP2's fully_shard), each rank on its own batch; every parameter gradient judged by the DESIGN.md
+rule against a float64 copy under the same wrapper. Run by tests/test_distributed.py:
+
+    python tests/dist_worker.py ddp|fsdp2 PORT      -> one line per rank: "rank R ok N" or "rank R FAIL ..."
+"""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def wrap(model, how):
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def grads(model, wrapped, b, truth=False):
+    from kernelgraft.gradcheck import Float64Everywhere
+
+    if truth:
+        with Float64Everywhere():
+            loss = wrapped(**b).loss
+    else:
+        loss = wrapped(**b).loss
+    loss.backward()
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g  # FSDP2: a sharded DTensor
+        out[n] = g.detach().clone()
+    return loss.detach(), out
+
+
+def run(rank, world, how, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from tiny import batch, tiny_model
+
+    import kernelgraft
+    from kernelgraft.gradcheck import judge
+
+    stock = tiny_model("llama")
+    truth = copy.deepcopy(stock).to(torch.float64)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    b = batch(seed=rank + 1)  # each rank its own data: the gradients are averaged over both
+    tl, tg = grads(truth, wrap(truth, how), b, truth=True)
+    el, eg = grads(stock, wrap(stock, how), b)
+    kl, kg = grads(mine, wrap(mine, how), b)
+    verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
+    bad = [str(v) for v in verdicts if not v.ok]
+    served = sum(r.replaced for r in mine.kernelgraft_report.sites)
+    print(
+        f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {len(verdicts)} served {served}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mp.spawn(run, args=(2, sys.argv[1], int(sys.argv[2])), nprocs=2)

@@ -24,7 +24,7 @@ import sympy
 
 from .derive import Backward
 from .spec import LOW, Spec
-from .sym import round_to, to_triton
+from .sym import fold_constants, round_to, to_triton
 
 GROUPS = (1, 2)  # entry kernels generated: one group of tensors per launch, or two
 
@@ -70,6 +70,7 @@ IND, IND2 = "    ", "        "
 def _cse_lines(exprs: list, prefix: str, indent: str) -> tuple[list[str], list[str]]:
     """sympy.cse over `exprs`: (assignment lines, printed reduced expressions)."""
     syms = sympy.numbered_symbols(prefix)
+    exprs = [fold_constants(e) for e in exprs]  # one literal per constant factor, fwd and bwd alike
     repl, reduced = sympy.cse(exprs, symbols=syms, optimizations="basic")
     lines = [f"{indent}{s} = {to_triton(e)}" for s, e in repl]
     return lines, [to_triton(e) for e in reduced]

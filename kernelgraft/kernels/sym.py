@@ -162,6 +162,38 @@ class TritonPrinter(StrPrinter):
         return f"({self._print(f.args[0])}).to(tl.float16).to(tl.float32)"
 
 
+def _value(e) -> float | None:
+    """A constant expression's value, computed in 40 digits (None if it is not a real number)."""
+    if e.has(_Round):
+        return None
+    e = e.replace(Rsqrt, lambda a: 1 / sympy.sqrt(a)).replace(Sigmoid, lambda a: 1 / (1 + sympy.exp(-a)))
+    e = e.replace(Sech2, lambda a: 1 - sympy.tanh(a) ** 2)
+    v = e.evalf(40)
+    return float(v) if v.is_real and v.is_Float else None
+
+
+def fold_constants(e):
+    """Every constant factor of a product as one float literal, from its exact value: 2*sqrt(2) *
+    pi^(-1/2) becomes 1.5957691216057308, and Rsqrt(pi) the same float as pi^(-1/2). The forward
+    and the backward then evaluate a value both hold (tanh-GELU's argument) with the same float32
+    operations, so both round it the same way; three separately rounded constants would not."""
+    if not isinstance(e, sympy.Expr) or e.is_Atom:
+        return e
+    if e.is_number and not e.is_Rational:
+        v = _value(e)
+        if v is not None:
+            return sympy.Float(v)
+    args = [fold_constants(a) for a in e.args]
+    if isinstance(e, sympy.Mul):
+        nums = [a for a in args if a.is_number]
+        rest = [a for a in args if not a.is_number]
+        if nums and rest and (len(nums) > 1 or not nums[0].is_Rational):
+            v = _value(sympy.Mul(*nums))
+            if v is not None:
+                return sympy.Mul(sympy.Float(v), *rest, evaluate=False)
+    return e.func(*args)
+
+
 def to_triton(expr) -> str:
     # constants such as sqrt(2/pi) become float literals: Triton has no tl.sqrt of a Python float
     numbers = {

@@ -1,6 +1,7 @@
 """One training step (forward + backward, no optimizer) of the Llama-3.2-1B shape, 8 x 2048, bf16,
-random init, SDPA: eager, torch.compile, kernelgraft (inductor backend) and Liger (last: it patches
-classes module-wide), each with a freshly built model, in one process.
+random init, SDPA: eager, torch.compile, kernelgraft (inductor backend; and with the LM head's weight
+gradient summed in bf16) and Liger (last: it patches classes module-wide), each with a freshly built
+model, in one process. The measurement is benchmarks/suite.py's; this keeps the one-shape table.
 
     python benchmarks/bench_train_step.py [--out DIR] [--steps 5]   -> DIR/train_step.json"""
 
@@ -10,71 +11,11 @@ import argparse
 import datetime
 import json
 import os
-import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from suite import measure_step
 
-import kernelgraft
-
-CFG = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=4096,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-)
-
-
-def step_bench(mode, B, S, steps):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CFG)).to("cuda", torch.bfloat16)
-    model.config._attn_implementation = "sdpa"
-    if mode == "torch.compile":
-        model.compile()
-    elif mode == "kernelgraft":
-        kernelgraft.optimize(model, backend="inductor")
-    elif mode == "kernelgraft (bf16 dW)":  # the LM head's weight gradient accumulated in bf16
-        kernelgraft.optimize(model, backend="inductor", lm_head_accumulate="weight")
-    elif mode == "liger":
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=model)
-    ids = torch.randint(0, CFG["vocab_size"], (B, S), device="cuda")
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return loss.item()
-
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    first_loss = step()
-    first = time.perf_counter() - t
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    med = sorted(times)[len(times) // 2]
-    out = dict(
-        tok_s=B * S / med,
-        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-        first_step_s=first,
-        loss=first_loss,
-    )
-    if mode.startswith("kernelgraft"):
-        out["sites"] = model.kernelgraft_report.counts()
-    return out
+SHAPE = "llama-1b 8x2048"
 
 
 def main():
@@ -85,14 +26,11 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = dict(
-        date=datetime.date.today().isoformat(),
-        gpu=torch.cuda.get_device_name(),
-        shape="Llama-3.2-1B 8x2048",
-        results={},
+        date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), shape=SHAPE, results={}
     )
     for mode in a.modes.split(","):
         try:
-            res["results"][mode] = step_bench(mode, 8, 2048, a.steps)
+            res["results"][mode] = measure_step(SHAPE, mode, a.steps)
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - a failing peer is reported, the others still run
             res["results"][mode] = dict(error=repr(e)[:300])

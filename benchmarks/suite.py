@@ -210,8 +210,11 @@ def build(shape, mode):
         model = get_peft_model(model, lc)
     if mode == "torch.compile":
         model.compile()
-    elif mode.startswith("kernelgraft"):
-        kernelgraft.optimize(model, backend="inductor" if "inductor" in mode else "eager")
+    elif mode.startswith("kernelgraft"):  # "kernelgraft", "kernelgraft (eager)", "... (bf16 dW)"
+        acc = "weight" if "bf16 dW" in mode else "fp32"
+        kernelgraft.optimize(
+            model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc
+        )
     elif mode == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .._dynamo import fresh_entry, room_for_recompiles
-from .references import Float64Everywhere, run_with_grads
-from .rule import FLOOR, SLACK, judge, rel_error
+from .references import Float64Everywhere
+from .rule import bound, judge, rel_error
+from .spelling import compare
 
 
 @dataclass
@@ -50,8 +51,7 @@ class Row:
 
     @property
     def bound(self) -> float:
-        refs = [e for e in (self.eager, self.compile) if e is not None]
-        return SLACK * max(refs) + FLOOR
+        return bound(self.eager, self.compile)
 
     @property
     def ok(self) -> bool:
@@ -349,32 +349,15 @@ def _site_rows(i, rec, sp, values, rounding, compile_reference, seed) -> list[Ro
     base = dict(
         kind="site", site=i, where=rec.module, pattern=f"{sp.pattern}.{sp.name}", shapes=shapes, dtypes=dtypes
     )
-    # the kernel on the site's arguments; an LM head receives what the graph saw
-    op = op_for(sp, rounding)
-    ref = sp.fn
-    with torch.no_grad():
-        y = ref(*values)
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(y.shape, generator=gen, dtype=torch.float32).to(device=y.device, dtype=y.dtype)
-    truth, tg = run_with_grads(ref, values, g, truth=True)
-    eager, eg = run_with_grads(ref, values, g)
     try:
-        kg, kgr = run_with_grads(op, values, g)
+        runs = compare(sp, values, op_for(sp, rounding), compile_ref=compile_reference, seed=seed)
     except Exception as e:  # noqa: BLE001 - a kernel that raises is a finding, not a crash of the audit
         return [Row(what="out", note=f"error: {type(e).__name__}: {e}"[:200], **base)]
-    comp, cg = None, [None] * len(eg)
-    if compile_reference:
-        with room_for_recompiles():
-            comp, cg = run_with_grads(
-                torch.compile(ref, backend="inductor", fullgraph=True, dynamic=False), values, g
-            )
-    names = [n for n, a in zip(sp.arg_names, values) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    rows = [_row(judge("out", truth, kg, eager, comp), base)]
-    for n, t, k, e, c in zip(names, tg, kgr, eg, cg):
-        if t is not None:
-            rows.append(_row(judge(f"grad {n}", t, k, e, c), base))
-            if k is None:
-                rows[-1].note = "missing gradient"
+    rows = []
+    for what, t, k, e, c in runs:
+        rows.append(_row(judge(what, t, k, e, c), base))
+        if k is None and t is not None:
+            rows[-1].note = "missing gradient"
     return rows
 
 

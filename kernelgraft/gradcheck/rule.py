@@ -47,6 +47,11 @@ def rel_error(candidate: torch.Tensor | None, truth: torch.Tensor | None) -> flo
     return diff / norm
 
 
+def bound(eager: float, compile: float | None = None) -> float:
+    """The most error a candidate may have: SLACK x the worse reference's, plus FLOOR."""
+    return SLACK * max(e for e in (eager, compile) if e is not None) + FLOOR
+
+
 @dataclass
 class Verdict:
     what: str  # 'out', 'grad x', ...
@@ -56,8 +61,7 @@ class Verdict:
 
     @property
     def bound(self) -> float:
-        refs = [e for e in (self.eager, self.compile) if e is not None]
-        return SLACK * max(refs) + FLOOR
+        return bound(self.eager, self.compile)
 
     @property
     def ok(self) -> bool:

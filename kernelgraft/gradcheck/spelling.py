@@ -33,6 +33,13 @@ def check_spelling(
     from ..kernels import op_for
 
     op = op if op is not None else op_for(spelling, rounding)
+    return [judge(what, *r) for what, *r in compare(spelling, args, op, grad_out, compile_ref, seed)]
+
+
+def compare(spelling, args: tuple, op, grad_out=None, compile_ref: bool = True, seed: int = 0) -> list[tuple]:
+    """The runs every check compares: float64 truth, `op`, eager and (compile_ref) torch.compile of
+    the spelling on `args`, with one incoming gradient -> [(what, truth, op's, eager's, compile's)]
+    for the output and each gradient the truth has. An exception from `op` propagates."""
     ref = spelling.fn
     g = _grad(ref, args, grad_out, seed)
     truth, tgrads = run_with_grads(ref, args, g, truth=True)
@@ -47,10 +54,10 @@ def check_spelling(
     names = [
         n for n, a in zip(spelling.arg_names, args) if isinstance(a, torch.Tensor) and a.is_floating_point()
     ]
-    out = [judge("out", truth, kg, eager, comp)]
+    out = [("out", truth, kg, eager, comp)]
     for n, t, k, e, c in zip(names, tgrads, kgrads, egrads, cgrads):
         if t is not None:
-            out.append(judge(f"grad {n}", t, k, e, c))
+            out.append((f"grad {n}", t, k, e, c))
     return out
 
 

@@ -145,3 +145,124 @@ def test_every_spelling_thorough_on_gpu(sp, request):
     check()
     print(f"\n{sp.qualname}: {count[0]} examples")
     assert count[0] >= 50  # the profile ran (hypothesis stops early only when it runs out of cases)
+
+
+# ---- issue 8: tensors over 2**31 elements (64-bit offsets) ------------------------------------------
+
+BIG = 2**31 + 2**22  # elements: offsets past what int32 holds
+
+
+def _rows_vs_truth(sp, args, got, g, rows, extra=()):
+    """The rule on a slice of rows (row-wise patterns): kernelgraft's output and input gradient there
+    vs eager's, against float64 truth, each from the spelling run on those rows alone."""
+    from kernelgraft.gradcheck import judge
+
+    x = args[0][rows].detach()
+    outs = {}
+    for name, dt in (("truth", torch.float64), ("eager", x.dtype)):
+        xi = x.to(dt).requires_grad_()
+        y = sp.fn(xi, *(a.detach().to(dt) if torch.is_tensor(a) else a for a in args[1:]))
+        (gx,) = torch.autograd.grad(y, xi, g[rows].to(dt))
+        outs[name] = (y, gx)
+    return [
+        judge(w, outs["truth"][i], got[i], outs["eager"][i]) for i, w in enumerate(("out", "grad x"))
+    ] + list(extra)
+
+
+def test_rms_norm_over_2_31_elements():
+    sp = REGISTRY.get("rms_norm", "llama")
+    N = 4096
+    M = -(-BIG // N)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    w = (1 + 0.2 * torch.randn(N, device=CUDA, generator=gen)).bfloat16().requires_grad_()
+    y = op_for(sp)(x, w, 1e-6)
+    g = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    assert x.numel() >= BIG and torch.isfinite(gw).all()
+    for rows in (slice(0, 256), slice(M // 2 - 128, M // 2 + 128), slice(M - 256, M)):
+        bad = [str(v) for v in _rows_vs_truth(sp, (x, w, 1e-6), (y[rows], gx[rows]), g, rows) if not v.ok]
+        assert not bad, (rows, bad)
+    # the weight gradient sums every row: against float64 summed a block of rows at a time
+    w64 = w.detach().double().requires_grad_()
+    xe, we = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (gw_eager,) = torch.autograd.grad(sp.fn(xe, we, 1e-6), we, g)
+    del xe, we
+    for r0 in range(0, M, 65536):
+        xs = x[r0 : r0 + 65536].detach().double()
+        sp.fn(xs, w64, 1e-6).backward(g[r0 : r0 + 65536].double())
+    from kernelgraft.gradcheck import judge
+
+    v = judge("grad weight", w64.grad, gw, gw_eager)
+    assert v.ok, str(v)
+
+
+def test_gated_mlp_over_2_31_elements():
+    sp = REGISTRY.get("gated_mlp", "silu")
+    N = 14336
+    M = -(-BIG // N)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    gate = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    up = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    y = op_for(sp)(gate, up)
+    g = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16)
+    gg, gu = torch.autograd.grad(y, (gate, up), g)
+    from kernelgraft.gradcheck import judge
+
+    for rows in (slice(0, 64), slice(M - 64, M)):
+        outs = {}
+        for name, dt in (("truth", torch.float64), ("eager", torch.bfloat16)):
+            a, b = gate[rows].detach().to(dt).requires_grad_(), up[rows].detach().to(dt).requires_grad_()
+            ye = sp.fn(a, b)
+            outs[name] = (ye, *torch.autograd.grad(ye, (a, b), g[rows].to(dt)))
+        for i, (what, got) in enumerate((("out", y), ("grad gate", gg), ("grad up", gu))):
+            v = judge(what, outs["truth"][i], got[rows], outs["eager"][i])
+            assert v.ok, (rows, str(v))
+
+
+def test_lm_head_chunk_of_logits_over_2_31_elements():
+    # one chunk of 16800 x 128256 bf16 logits (2.15e9 elements): the CE kernel's row offsets in int64
+    import torch.nn.functional as F
+
+    from kernelgraft.gradcheck import judge
+
+    sp = REGISTRY.get("lm_head_ce", "hf_mean")
+    T, H, V = 16800, 64, 128256
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    h = torch.randn(T, H, device=CUDA, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device=CUDA, generator=gen) / H**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (T,), device=CUDA, generator=gen)
+    t[::13] = -100
+    assert T * V > 2**31  # one chunk past int32 offsets
+    loss = op_for(sp).configured(chunk=T)(h, w, t, -100)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    ref = {}
+    for name, dt in (("truth", torch.float64), ("eager", torch.bfloat16)):
+        hh, ww = h.detach().to(dt).requires_grad_(), w.detach().to(dt).requires_grad_()
+        le = F.cross_entropy(F.linear(hh, ww).float(), t, ignore_index=-100)
+        ref[name] = (le, *torch.autograd.grad(le, (hh, ww)))
+        del le
+    for i, (what, got) in enumerate((("loss", loss), ("grad h", gh), ("grad weight", gw))):
+        v = judge(what, ref["truth"][i], got, ref["eager"][i])
+        assert v.ok, str(v)
+
+
+def test_lm_head_backward_never_waits_for_the_host():
+    # a host sync in the backward (reading the incoming gradient's value) would stall the queue of
+    # the whole model's backward: CUDA's sync debug mode turns any sync into an error
+    sp = REGISTRY.get("lm_head_ce", "hf_mean")
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    h = torch.randn(512, 64, device=CUDA, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(1000, 64, device=CUDA, generator=gen) / 8).bfloat16().requires_grad_()
+    t = torch.randint(0, 1000, (512,), device=CUDA, generator=gen)
+    for accumulate in ("fp32", "weight"):
+        op = op_for(sp).configured(chunk=128, accumulate=accumulate)
+        op(h, w, t, -100)  # compiled and cached outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = op(h, w, t, -100)
+            gh, gw = torch.autograd.grad(loss, (h, w), torch.tensor(0.5, device=CUDA))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(gh).all() and torch.isfinite(gw).all()

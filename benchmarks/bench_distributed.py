@@ -1,0 +1,605 @@
+"""Distributed training step on the GPUs of one host: eager, torch.compile, kernelgraft and Liger
+under PyTorch's own data parallelism, at world size 1 and 2, from one command.
+
+Setups (`--setups`): the per-GPU batch is the one-GPU shape of benchmarks/suite.py (SHAPES, build):
+  fsdp2-8b   the Llama-3.1-8B shape, 2x4096 tokens per GPU, FSDP2 (fully_shard per decoder layer,
+             then the root)
+  ddp-1b     the Llama-3.2-1B shape, 8x2048 tokens per GPU, DistributedDataParallel
+
+A step is suite.measure_step's: forward with labels=ids, loss.backward(), zero_grad(set_to_none=True),
+no optimizer; every rank runs its own random batch (seed + rank). The first step is timed on its own
+(it compiles), then one warm-up step, then `--steps` timed steps, each between a device synchronize
+and a barrier. Reported per (setup, mode, world size): tokens/s per GPU (per-rank tokens over the
+slowest rank's median step), the scaling efficiency (tokens/s per GPU at world size N over world size
+1), the peak memory per GPU (max over ranks of max_memory_allocated, reset before the timed steps),
+the first step's seconds and its loss. At world size 1 the model is measured unwrapped: a plain
+one-GPU training step, the baseline of the scaling efficiency (setups of one shape, as with --tiny,
+share that run).
+
+Every (setup, world size, mode) runs in a process group of its own, started with torchrun, which
+runs this file again in worker mode (Liger patches transformers' classes for the rest of a process;
+a fresh process per run keeps every mode clean). A run that fails (exception, OOM, `--timeout`) is
+an error row; the others still run. Results merge into DIR/distributed.json (rewritten after every
+run; an earlier file in DIR is kept and updated, so a long benchmark can be split over several
+commands with the same --out; `--fresh` starts over) and DIR/distributed.md.
+
+    # 2 GPUs of one host (NVLink multicast is switched off in every child: see NO_MULTICAST)
+    python benchmarks/bench_distributed.py --out DIR [--setups fsdp2-8b,ddp-1b] \\
+        [--modes "eager,torch.compile,kernelgraft (inductor),liger"] [--world-sizes 1,2] [--steps 5]
+    # CPU smoke test, no GPU: gloo, a tiny Llama in float32, Triton's interpreter
+    python benchmarks/bench_distributed.py --out DIR --device cpu --tiny --steps 2 \\
+        --modes "eager,kernelgraft (eager)"
+    # a PNG of an earlier run (needs matplotlib: run it where that is installed)
+    python benchmarks/bench_distributed.py --plot DIR/distributed.json   -> DIR/distributed.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+# NVLink multicast must stay off on the GPU host: set before torch is imported, and passed to
+# every torchrun child (they inherit this process's environment).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NO_MULTICAST)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import suite  # noqa: E402
+
+SETUPS = {
+    "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
+    "ddp-1b": dict(shape="llama-1b 8x2048", wrap="ddp"),
+}
+WRAPPERS = {"fsdp2": "FSDP2 (fully_shard per decoder layer, then the root)", "ddp": "DDP"}
+# --tiny: every setup keeps its wrapper and runs this instead of its shape (float32)
+TINY_NAME = "tiny llama 2x16"
+TINY = dict(
+    arch="llama", B=2, S=16,
+    cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256),
+)  # fmt: skip
+GPU_MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "liger")
+CPU_MODES = ("eager", "kernelgraft (eager)")  # what runs on the CPU (the Triton interpreter)
+GOAL = 0.9  # kernelgraft's tokens/s per GPU at world size 2 within 10% of its one-GPU figure
+
+
+# ---- worker: one rank of one (setup, world size, mode) ---------------------------------------------
+
+
+def init_rank(device: str, local_rank: int) -> torch.device:
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)  # "cuda" (suite.build's device) now means this rank's GPU
+        dev = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def apply_mode(model, mode: str):
+    """suite.build's modes, for a model built here (the --tiny one)."""
+    if mode == "torch.compile":
+        model.compile()
+    elif mode.startswith("kernelgraft"):
+        import kernelgraft
+
+        acc = "weight" if "bf16 dW" in mode else "fp32"
+        kernelgraft.optimize(model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc)
+    elif mode == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    elif mode != "eager":
+        raise ValueError(f"unknown mode {mode!r}")
+    return model
+
+
+def build_tiny(mode: str, dev: torch.device):
+    """suite.build for the tiny config, on `dev`, in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(TINY["arch"], max_position_embeddings=2 * TINY["S"], **TINY["cfg"])
+    cfg._attn_implementation = "sdpa"
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    return apply_mode(model, mode)
+
+
+def fully_shard_fn():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def wrap(model, how: str, dev: torch.device):
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    fully_shard = fully_shard_fn()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def prepare(setup: str, mode: str, dev: torch.device, tiny: bool, world: int):
+    """The model of one run, in the same order for every mode (the order tests/dist_worker.py checks
+    under DDP and FSDP2 on gloo):
+      1. build it on this rank's device from seed 0 (the same weights on every rank);
+      2. apply the mode to the bare model: model.compile(), kernelgraft.optimize() or Liger's patch
+         (suite.build does 1 and 2);
+      3. then wrap it: DDP(model), or fully_shard(layer) for every decoder layer and then
+         fully_shard(model).
+    At world size 1 step 3 is skipped: the model is measured unwrapped, a plain one-GPU step.
+    Note: compiling inside the wrapper, dynamo never sees DDP, so DDP's graph splitting at bucket
+    boundaries (DDPOptimizer) does not apply: a compiled backward yields its gradients at its end."""
+    if tiny:
+        model = build_tiny(mode, dev)
+    else:
+        if dev.type != "cuda":
+            raise ValueError("the full shapes run on cuda only: pass --tiny with --device cpu")
+        model = suite.build(SETUPS[setup]["shape"], mode)
+    wrapped = model if world == 1 else wrap(model, SETUPS[setup]["wrap"], dev)
+    return model, wrapped
+
+
+def make_batch(spec: dict, seed: int, dev: torch.device):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, spec["cfg"]["vocab_size"], (spec["B"], spec["S"]), generator=g).to(dev)
+
+
+def measure(model, ids, steps: int, dev: torch.device) -> dict:
+    """One rank's timings; the same code for every mode, world size and device."""
+    cuda = dev.type == "cuda"
+
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    synchronize()
+    dist.barrier()
+    t = time.perf_counter()
+    first_loss = step()
+    synchronize()
+    first = time.perf_counter() - t
+    dist.barrier()
+    step()  # warm-up
+    synchronize()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - t)
+    return dict(
+        step_s=sorted(times)[len(times) // 2],
+        times_s=times,
+        first_step_s=first,
+        loss=first_loss,
+        peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+    )
+
+
+def dynamo_counts() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+
+        return dict(
+            graphs=int(counters["stats"]["unique_graphs"]),
+            graph_breaks=int(sum(counters["graph_break"].values())),
+        )
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return {}
+
+
+def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
+    dev = init_rank(a.device, local_rank)
+    spec = TINY if a.tiny else suite.SHAPES[SETUPS[a.setup]["shape"]]
+    model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world)
+    ids = make_batch(spec, a.seed + rank, dev)
+    out = measure(wrapped, ids, a.steps, dev)
+    out.update(rank=rank, world_size=world, tokens=ids.numel(), dynamo=dynamo_counts())
+    if hasattr(model, "kernelgraft_report"):
+        out["sites"] = model.kernelgraft_report.counts()
+    if rank == 0:
+        import transformers
+        import triton
+
+        out["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        out["versions"] = (
+            f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
+        )
+    return out
+
+
+def worker(a) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    path = os.path.join(a.run_dir, f"rank{rank}.json")
+    try:
+        out, rc = run_rank(a, rank, int(os.environ["LOCAL_RANK"]), world), 0
+    except BaseException as e:  # noqa: BLE001 - recorded, then the run fails (torchrun stops the rest)
+        traceback.print_exc()
+        out, rc = dict(rank=rank, error=f"{type(e).__name__}: {e}"[:500]), 1
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"rank {rank}: {out}", flush=True)
+    if dist.is_initialized():
+        if rc == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    return rc
+
+
+# ---- parent: one torchrun per (setup, world size, mode) --------------------------------------------
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")
+
+
+def shape_of(a, setup: str) -> str:
+    return TINY_NAME if a.tiny else SETUPS[setup]["shape"]
+
+
+def torchrun_cmd(a, setup: str, world: int, mode: str, run_dir: str) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    cmd += [os.path.abspath(__file__), "--worker", "--setup", setup, "--mode", mode, "--run-dir", run_dir]
+    cmd += ["--steps", str(a.steps), "--seed", str(a.seed), "--device", a.device]
+    return cmd + (["--tiny"] if a.tiny else [])
+
+
+def stop_group(p: subprocess.Popen) -> None:
+    """End torchrun and its workers (their own session, started by us) after a timeout."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def log_tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def launch(a, setup: str, world: int, mode: str) -> dict:
+    run_dir = os.path.abspath(os.path.join(a.out, "runs", slug(f"{setup} ws{world} {mode}")))
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):
+        os.remove(os.path.join(run_dir, name))
+    log = os.path.join(run_dir, "log.txt")
+    env = {**os.environ, **NO_MULTICAST}
+    t = time.perf_counter()
+    timeout = None
+    with open(log, "w") as f:
+        p = subprocess.Popen(
+            torchrun_cmd(a, setup, world, mode, run_dir),
+            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = p.wait(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(p)
+            rc, timeout = p.returncode, f"timeout: the run took over --timeout {a.timeout:g} s"
+    row = dict(
+        setup=setup,
+        shape=shape_of(a, setup),
+        wrapper=SETUPS[setup]["wrap"],
+        mode=mode,
+        world_size=world,
+        wall_s=time.perf_counter() - t,
+        log=os.path.relpath(log, a.out),
+    )
+    row.update(merge_ranks(run_dir, world, rc, timeout, log))
+    return row
+
+
+def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
+    ranks = []
+    for r in range(world):
+        try:
+            with open(os.path.join(run_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+        except (OSError, json.JSONDecodeError):
+            ranks.append(dict(rank=r, error=None))
+    errors = [f"rank {x['rank']}: {x['error']}" for x in ranks if x.get("error")]
+    if timeout or errors or rc != 0 or any("step_s" not in x for x in ranks):
+        last = log_tail(log, 1).strip()
+        why = timeout or "; ".join(errors) or f"exit code {rc}, no result; last log line: {last[-200:]}"
+        return dict(error=why[:600])
+    step_s = max(x["step_s"] for x in ranks)  # the slowest rank sets the pace
+    peaks = [x["peak_gib"] for x in ranks]
+    r0 = ranks[0]
+    return dict(
+        tok_s_per_gpu=r0["tokens"] / step_s,
+        step_s=step_s,
+        step_s_per_rank=[x["step_s"] for x in ranks],
+        peak_gib_per_gpu=None if None in peaks else max(peaks),
+        first_step_s=max(x["first_step_s"] for x in ranks),
+        loss=r0["loss"],
+        losses=[x["loss"] for x in ranks],
+        tokens_per_gpu=r0["tokens"],
+        sites=r0.get("sites"),
+        dynamo=r0.get("dynamo"),
+        device_name=r0.get("device_name"),
+        versions=r0.get("versions"),
+    )
+
+
+def add_scaling(rows: list[dict]) -> None:
+    one = {(r["setup"], r["mode"]): r.get("tok_s_per_gpu") for r in rows if r["world_size"] == 1}
+    for r in rows:
+        base = one.get((r["setup"], r["mode"]))
+        ok = base and r.get("tok_s_per_gpu")
+        r["scaling_efficiency"] = r["tok_s_per_gpu"] / base if ok else None
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    out = []
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        mine = [r for r in rows if r["setup"] == setup and r.get("tok_s_per_gpu")]
+        if not mine:
+            out.append(f"- {setup}: no successful run")
+            continue
+        top = max(r["world_size"] for r in mine)
+        best = max((r for r in mine if r["world_size"] == top), key=lambda r: r["tok_s_per_gpu"])
+        line = f"- {setup}, world size {top}: fastest is {best['mode']} ({best['tok_s_per_gpu']:,.0f} tok/s per GPU)"
+        for r in mine:
+            if r["mode"].startswith("kernelgraft") and r["world_size"] == top and top > 1:
+                eff = r["scaling_efficiency"]
+                if eff is None:
+                    line += f"; {r['mode']}: no world-size-1 figure to compare with"
+                else:
+                    met = "met" if eff >= GOAL else "not met"
+                    line += (
+                        f"; {r['mode']} keeps {eff:.0%} of its one-GPU tok/s "
+                        f"(goal: within {1 - GOAL:.0%}: {met})"
+                    )
+        out.append(line)
+    return out
+
+
+def markdown(doc: dict) -> str:
+    rows = doc["rows"]
+    L = [
+        f"Distributed training step (fwd + bwd, no optimizer), {doc.get('device_name', '?')}, "
+        f"{doc['date']}, {doc.get('versions', '?')}, median of {doc['steps']} steps\n",
+        "World size 1: the model unwrapped on one device (the baseline); world size N: N ranks, each "
+        "with its own batch of the same shape. Scaling efficiency: tok/s per GPU at N over at 1.\n",
+    ]
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        r0 = next(r for r in rows if r["setup"] == setup)
+        L.append(f"- {setup}: {r0['shape']} per GPU, {WRAPPERS[r0['wrapper']]}")
+    L += [
+        "",
+        "| setup | mode | world size | tok/s per GPU | scaling efficiency | peak GiB per GPU | first step s | loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['setup']} | {r['mode']} | {r['world_size']} |"
+        if r.get("error"):
+            L.append(f"{head} failed: {r['error'][:120].replace('|', '/')} | | | | |")
+            continue
+        L.append(
+            f"{head} {r['tok_s_per_gpu']:,.0f} | {fmt(r['scaling_efficiency'], '.2f')} | "
+            f"{fmt(r['peak_gib_per_gpu'], '.1f')} | {r['first_step_s']:.1f} | {r['loss']:.4f} |"
+        )
+    L += ["", *summary_lines(rows)]
+    L += [f"- {n}" for n in doc.get("notes", [])]
+    return "\n".join(L) + "\n"
+
+
+def plot(path: str) -> str:
+    """tok/s per GPU by mode and world size, one panel per setup (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r.get("tok_s_per_gpu")]
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(setups)), figsize=(6 * max(1, len(setups)), 4), squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        mine = [r for r in rows if r["setup"] == setup]
+        modes = list(dict.fromkeys(r["mode"] for r in mine))
+        worlds = sorted({r["world_size"] for r in mine})
+        w = 0.8 / len(worlds)
+        for i, ws in enumerate(worlds):
+            by_mode = {r["mode"]: r for r in mine if r["world_size"] == ws}
+            xs = [j + i * w for j in range(len(modes))]
+            ys = [by_mode[m]["tok_s_per_gpu"] if m in by_mode else 0 for m in modes]
+            bars = ax.bar(xs, ys, w, label=f"world size {ws}")
+            for b, m in zip(bars, modes):
+                eff = by_mode.get(m, {}).get("scaling_efficiency")
+                if ws > 1 and eff is not None:
+                    ax.annotate(f"{eff:.0%}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                ha="center", va="bottom", fontsize=7)  # fmt: skip
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(modes))], modes, rotation=15, fontsize=8)
+        ax.set_title(f"{setup}: {mine[0]['shape']} per GPU", fontsize=9)
+        ax.set_ylabel("tokens/s per GPU")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=130)
+    return png
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--modes", default=None, help=f"default: {','.join(GPU_MODES)} (cpu: {','.join(CPU_MODES)})")
+    ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun (one setup, size, mode)")
+    ap.add_argument("--seed", type=int, default=0, help="rank r's batch comes from seed + r")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help=f"a {TINY_NAME} (float32) in every setup")
+    ap.add_argument("--fresh", action="store_true", help="drop the rows of an earlier DIR/distributed.json")
+    ap.add_argument("--plot", metavar="JSON", help="only make the PNG of an earlier run (needs matplotlib)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--setup", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
+    """The runs asked for, or SystemExit with a message that says what to pass instead."""
+    setups = [s for s in a.setups.split(",") if s]
+    bad = [s for s in setups if s not in SETUPS]
+    if bad:
+        raise SystemExit(f"bench_distributed: unknown setup(s) {bad}; choose from {list(SETUPS)}")
+    try:
+        worlds = [int(w) for w in a.world_sizes.split(",") if w]
+    except ValueError:
+        raise SystemExit(f"bench_distributed: --world-sizes wants numbers like 1,2, got {a.world_sizes!r}") from None
+    if not worlds or min(worlds) < 1:
+        raise SystemExit(f"bench_distributed: --world-sizes wants sizes >= 1, got {a.world_sizes!r}")
+    cpu = a.device == "cpu"
+    modes = [m for m in (a.modes or ",".join(CPU_MODES if cpu else GPU_MODES)).split(",") if m]
+    known = set(suite.MODES) | {"kernelgraft"}
+    bad = [m for m in modes if m not in known and not m.startswith("kernelgraft (")]
+    if bad:
+        raise SystemExit(f"bench_distributed: unknown mode(s) {bad}; choose from {sorted(known)}")
+    if cpu:
+        if not a.tiny:
+            raise SystemExit("bench_distributed: --device cpu runs the tiny model only: add --tiny")
+        bad = [m for m in modes if m not in CPU_MODES]
+        if bad:
+            raise SystemExit(f"bench_distributed: mode(s) {bad} do not run on the CPU; use {list(CPU_MODES)}")
+    else:
+        n = torch.cuda.device_count()
+        if n < max(worlds):
+            raise SystemExit(
+                f"bench_distributed: --world-sizes {a.world_sizes} needs {max(worlds)} GPUs (one per rank), "
+                f"but torch.cuda.device_count() found {n}; pass --world-sizes "
+                f"{','.join(str(w) for w in worlds if w <= n) or '1'} on this host"
+                + ("" if n else ", or run the CPU smoke test with --device cpu --tiny")
+            )
+    notes = []
+    if "liger" in modes and importlib.util.find_spec("liger_kernel") is None:
+        modes.remove("liger")
+        notes.append("liger skipped: liger_kernel is not importable (install its wheel or put it on PYTHONPATH)")
+        print(f"note: {notes[-1]}", flush=True)
+    return setups, worlds, modes, notes
+
+
+def load_doc(a, notes: list[str]) -> tuple[dict, str]:
+    path = os.path.join(a.out, "distributed.json")
+    doc = dict(rows=[])
+    if os.path.exists(path) and not a.fresh:
+        with open(path) as f:
+            doc = json.load(f)
+        print(f"note: updating the {len(doc['rows'])} rows of {path} (--fresh starts over)", flush=True)
+    doc.update(date=datetime.date.today().isoformat(), steps=a.steps, notes=notes)
+    return doc, path
+
+
+def save(doc: dict, path: str) -> None:
+    add_scaling(doc["rows"])
+    ok = [r for r in doc["rows"] if r.get("device_name")]
+    if ok:
+        doc.update(device_name=ok[-1]["device_name"], versions=ok[-1]["versions"])
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(os.path.dirname(path), "distributed.md"), "w") as f:
+        f.write(markdown(doc))
+
+
+def upsert(rows: list[dict], row: dict) -> None:
+    key = (row["setup"], row["world_size"], row["mode"])
+    rows[:] = [r for r in rows if (r["setup"], r["world_size"], r["mode"]) != key] + [row]
+    order = {s: i for i, s in enumerate(SETUPS)}
+    rows.sort(key=lambda r: (order.get(r["setup"], 99), r["world_size"]))  # stable: modes in run order
+
+
+def report(i: int, n: int, row: dict) -> None:
+    took = f"same run as {row['same_run_as']}" if row.get("same_run_as") else f"{row['wall_s']:.0f} s"
+    head = f"[{i}/{n}] {row['setup']} world size {row['world_size']} {row['mode']} ({took}):"
+    if row.get("error"):
+        print(f"{head} FAILED {row['error']}\n  log: {row['log']}", flush=True)
+    else:
+        print(
+            f"{head} {row['tok_s_per_gpu']:,.0f} tok/s per GPU, peak {fmt(row['peak_gib_per_gpu'], '.1f')} "
+            f"GiB, first step {row['first_step_s']:.1f} s, loss {row['loss']:.4f}",
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.worker:
+        return worker(a)
+    if a.plot:
+        print(plot(a.plot))
+        return 0
+    setups, worlds, modes, notes = check(a)
+    os.makedirs(a.out, exist_ok=True)
+    doc, path = load_doc(a, notes)
+    runs = [(s, w, m) for s in setups for w in worlds for m in modes]
+    unwrapped = {}  # world size 1 runs no wrapper: setups of one shape (all, with --tiny) share that run
+    for i, (setup, world, mode) in enumerate(runs, 1):
+        key = (shape_of(a, setup), mode)
+        if world == 1 and key in unwrapped:
+            first = unwrapped[key]
+            row = {**first, "setup": setup, "wrapper": SETUPS[setup]["wrap"], "same_run_as": first["setup"]}
+        else:
+            row = launch(a, setup, world, mode)
+            if world == 1:
+                unwrapped[key] = row
+        if row.get("error"):
+            print(log_tail(os.path.join(a.out, row["log"])), flush=True)
+        report(i, len(runs), row)
+        upsert(doc["rows"], row)
+        save(doc, path)
+    print("\n" + markdown(doc))
+    print(f"wrote {path} and {os.path.join(a.out, 'distributed.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""benchmarks/bench_distributed.py on the CPU: torchrun process groups over gloo, the tiny Llama under
+DDP and FSDP2 at world size 1 and 2, eager beside kernelgraft (eager backend, Triton's interpreter)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_distributed.py"
+MODES = ("eager", "kernelgraft (eager)")
+SETUPS = ("ddp-1b", "fsdp2-8b")
+
+
+def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny"]
+    cmd += ["--setups", ",".join(SETUPS), "--world-sizes", "1,2", "--modes", ",".join(MODES), "--steps", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
+    by = {(x["setup"], x["world_size"], x["mode"]): x for x in rows}
+    assert set(by) == {(s, w, m) for s in SETUPS for w in (1, 2) for m in MODES}, r.stdout[-4000:]
+    for key, x in by.items():
+        assert not x.get("error"), (key, x.get("error"), r.stdout[-4000:])
+        assert math.isfinite(x["tok_s_per_gpu"]) and x["tok_s_per_gpu"] > 0, key
+        assert math.isfinite(x["first_step_s"]) and x["first_step_s"] > 0, key
+        assert x["peak_gib_per_gpu"] is None, key  # no CUDA memory statistics on the CPU
+        assert x["tokens_per_gpu"] == 2 * 16 and len(x["losses"]) == x["world_size"], key
+        assert x["scaling_efficiency"] > 0, key
+    for s in SETUPS:
+        for w in (1, 2):
+            # same seed, same batch per rank: the same loss, on every rank
+            eager, mine = by[(s, w, "eager")]["losses"], by[(s, w, "kernelgraft (eager)")]["losses"]
+            for a, b in zip(eager, mine):
+                assert abs(a - b) <= 1e-5 * abs(a), (s, w, eager, mine)
+            assert by[(s, w, "kernelgraft (eager)")]["sites"], "kernelgraft replaced nothing"
+        two = by[(s, 2, "eager")]["losses"]
+        assert two[0] != two[1], "each rank must run its own batch"
+    md = (tmp_path / "distributed.md").read_text()
+    for m in MODES:
+        assert f"| {m} |" in md
+    assert "world size 2: fastest is" in md
+
+
+def test_more_ranks_than_gpus_is_refused_with_what_to_pass(tmp_path):
+    # on a machine without the GPUs asked for: a message naming the count found and the fix
+    import torch
+
+    n = torch.cuda.device_count()
+    want = n + 1
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--world-sizes", f"1,{want}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert f"found {n}" in r.stderr and "--world-sizes" in r.stderr, r.stderr
+    assert not (tmp_path / "distributed.json").exists()

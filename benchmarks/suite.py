@@ -255,7 +255,61 @@ def measure_step(shape, mode, steps):
     )
     if mode.startswith("kernelgraft"):
         out["sites"] = model.kernelgraft_report.counts()
+    if PROFILE_STEPS:
+        out["profile"] = profile_steps(step, PROFILE_STEPS)
     return out
+
+
+PROFILE_STEPS = 0  # --profile N: also break N steps down by kernel class (after the timed steps)
+KERNEL_CLASSES = ("matmul", "attention", "kernelgraft", "inductor", "other triton", "aten", "copy/fill")
+
+
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel, from its name (cuBLAS/cuDNN/flash, kernelgraft's generated kernels
+    `<pattern>__<spelling>__...`, inductor's `triton_...`, PyTorch's `at::native::...`)."""
+    from kernelgraft.patterns import REGISTRY
+
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")):
+        return "matmul"
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(name.startswith(p + "__") for p in REGISTRY.names()):
+        return "kernelgraft"
+    if name.startswith("triton_"):
+        return "inductor"
+    if "memcpy" in n or "memset" in n:
+        return "copy/fill"
+    if "at::native" in name or "at::" in name:
+        return "aten"
+    return "other triton"
+
+
+def profile_steps(step, n: int) -> dict:
+    """Wall time vs GPU busy time per step, and the busy time by kernel class (torch.profiler):
+    wall - busy is time the GPU waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / n
+    classes = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    top = []
+    for e in p.key_averages():
+        ms = e.device_time_total / 1e3 / n
+        if ms <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        classes[kernel_class(e.key)] += ms
+        top.append((ms, e.key[:120]))
+    busy = sum(classes.values())
+    top.sort(reverse=True)
+    return dict(
+        wall_ms=wall * 1e3, busy_ms=busy, classes_ms=classes, top=[dict(ms=m, kernel=k) for m, k in top[:15]]
+    )
 
 
 def loss_curves(steps=50):
@@ -317,6 +371,20 @@ def markdown(doc) -> str:
             rat = [f"{v['tok_s'] / base[k]:.2f}x" if base[k] else "-" for k in base]
             L.append(
                 f"| {m} | {v['tok_s']:,.0f} | {' | '.join(rat)} | {v['peak_gib']:.1f} | {v['first_step_s']:.1f} |"
+            )
+    for shape, modes in doc.get("steps", {}).items():
+        prof = {m: v["profile"] for m, v in modes.items() if "profile" in v}
+        if not prof:
+            continue
+        L += [
+            f"\n**Where a step's time goes, {shape}** (torch.profiler, ms per step; idle = wall - GPU busy)\n",
+            "| mode | wall | GPU busy | idle | " + " | ".join(KERNEL_CLASSES) + " |",
+            "|---|---|---|---|" + "---|" * len(KERNEL_CLASSES),
+        ]
+        for m, p in prof.items():
+            cl = " | ".join(f"{p['classes_ms'].get(k, 0.0):.1f}" for k in KERNEL_CLASSES)
+            L.append(
+                f"| {m} | {p['wall_ms']:.1f} | {p['busy_ms']:.1f} | {p['wall_ms'] - p['busy_ms']:.1f} | {cl} |"
             )
     if doc.get("curves"):
         c = doc["curves"]
@@ -409,11 +477,16 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="ANCHORS.md shapes only, no sweep")
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="break N training steps down by kernel class"
+    )
     ap.add_argument("--plot", metavar="JSON", help="only make the PNG plots of an earlier run")
     ap.add_argument(
         "--merge", nargs="+", metavar="JSON", help="merge runs (later wins) into --out, then plot"
     )
     a = ap.parse_args(argv)
+    global PROFILE_STEPS
+    PROFILE_STEPS = a.profile
     if a.merge:
         doc = {}
         for p in a.merge:

@@ -109,7 +109,7 @@ def tune_ce(T=1024, V=128256):
     CE_CONFIG["cuda"] is set from."""
     from kernelgraft.kernels import lm_head
 
-    fn, _, _ = lm_head._kernel(REGISTRY.get("lm_head_ce", "hf_mean"), torch.bfloat16, "autograd", "cuda")
+    fn, _ = lm_head._kernel(REGISTRY.get("lm_head_ce", "hf_mean"), torch.bfloat16, "autograd", "cuda")
     z0 = torch.randn(T, V, device="cuda").bfloat16()
     t = torch.randint(0, V, (T,), device="cuda")
     loss = torch.empty(T, device="cuda")

@@ -107,7 +107,7 @@ def test_low_precision_logits_into_cross_entropy_get_the_correctly_rounded_gradi
     accurate as eager's, element by element (the end-to-end gradients, which add the
     rounding of the logits themselves, are within a few percent of eager's either way)."""
     sp, (h, w, t, ii) = make_args("plain_mean", 64, 32, 300, dtype, seed=4)
-    fn, _, _ = lm_head._kernel(sp, dtype, "autograd", "cpu")
+    fn, _ = lm_head._kernel(sp, dtype, "autograd", "cpu")
     z = (h @ w.t()).detach()
     dz = z.clone()
     counted = (t != ii).sum()
@@ -139,8 +139,7 @@ def test_vocab_over_several_blocks_and_not_a_multiple():
 
 @pytest.mark.parametrize("g", [0.37, 1 / 3, 4.0, 0.0])
 def test_any_incoming_gradient_is_exact(g):
-    # bf16, fp32 accumulation: the float32 gradients made for g = 1 are scaled by g on the device and
-    # rounded once (the unfused model also rounds once, after folding g in)
+    # bf16: the gradient for g = 1 scaled by 0.37 would round twice; it is re-formed with g folded in
     sp, args = make_args("hf_mean", 96, 32, 700, torch.bfloat16, seed=5)
     verdicts = check_spelling(
         sp, args, grad_out=torch.tensor(g), compile_ref=False, op=op_for(sp).configured(chunk=32)
@@ -148,30 +147,17 @@ def test_any_incoming_gradient_is_exact(g):
     assert_ok(verdicts)
 
 
-def test_weight_dtype_gradients_are_scaled_on_the_device_and_untouched_for_one():
-    sp, args = make_args("hf_mean", 40, 16, 300, torch.bfloat16, seed=6)
-    h, w = args[0], args[1]
-    op = op_for(sp).configured(chunk=16, accumulate="weight")
-    ones = torch.autograd.grad(op(*args), (h, w))
-    for g in (1.0, 0.37, 2.0):
-        got = torch.autograd.grad(op(*args), (h, w), torch.tensor(g))
-        for a, b in zip(got, ones):  # g's product in float32, rounded once to bf16
-            assert torch.equal(a, (b.float() * g).to(torch.bfloat16)), g
+@pytest.mark.parametrize("g", [0.37, 1.541])
+def test_incoming_gradient_is_folded_in_before_the_logit_gradient_rounds(g):
+    """Found by the thorough profile on the H200: scaling the gradients made for g = 1 afterwards (on
+    the device, to spare the backward its host sync) rounds the logits' gradient on g = 1's grid.
+    Its largest entries are nearly all -1/count (at the targets), so that one rounding decides the
+    error: 1.3x eager's here. Any g other than a power of two re-forms them with g folded in."""
+    from kernelgraft.gradcheck.strategies import _values
 
-
-def test_backward_reads_the_incoming_gradient_on_the_device(monkeypatch):
-    # float(g) / g.item() in the backward would make the host wait for the whole forward on a GPU
-    sp, args = make_args("hf_mean", 24, 16, 90, torch.bfloat16, seed=7)
-    loss = op_for(sp).configured(chunk=8)(*args)
-
-    def refuse(*a, **k):
-        raise AssertionError("the backward read a tensor's value on the host")
-
-    monkeypatch.setattr(torch.Tensor, "item", refuse)
-    monkeypatch.setattr(torch.Tensor, "__float__", refuse)
-    gh, gw = torch.autograd.grad(loss, args[:2], torch.tensor(0.37))
-    monkeypatch.undo()
-    assert torch.isfinite(gh).all() and gw.abs().sum() > 0
+    sp = REGISTRY.get("lm_head_ce", "hf_mean")
+    args = _values(sp.example_args(64, 64, torch.bfloat16, 3), "gaussian")
+    assert_ok(check_spelling(sp, args, grad_out=torch.tensor(g), compile_ref=False))
 
 
 def weight_grad_error(accumulate, chunk):

@@ -10,12 +10,9 @@ The tokens are taken a chunk at a time. For one chunk:
 
 so memory beyond the inputs and the gradients is one chunk of logits, sized from the shapes (or
 set). The gradients are formed in the forward, for a loss gradient of 1, and scaled in the
-backward by the loss's incoming gradient g, read on the device: the backward never waits for the
-host (a host sync there would stall the queue of the whole model's backward). Under fp32
-accumulation dh and dW stay float32 until then and are rounded once, after the scaling, as the
-unfused model rounds once (it scales the logits' gradient before rounding it; the same bits when g
-is a power of two, the same error otherwise). s is 1 / (number of counted labels) for
-reduction="mean", or 1 / num_items_in_batch for HF's sum-then-divide.
+backward by the loss's incoming gradient: exact when it is 1 (plain training and HF's Trainer),
+one extra rounding otherwise. s is 1 / (number of counted labels) for reduction="mean", or
+1 / num_items_in_batch for HF's sum-then-divide.
 
 The transform f and its derivative come from the sympy generator, with the spelling's rounding
 points (Gemma-2's softcap runs in bf16 in the model: each op rounds). The matmuls stay with cuBLAS.
@@ -25,8 +22,7 @@ Weight-gradient accumulation over chunks (`accumulate`):
              unfused model (measured: tests/test_lm_head.py). Costs 4 bytes per weight element.
     "weight" in W's dtype, rounded after every chunk: half the memory, an error that grows with
              the number of chunks (bf16: 1.04x eager's at 8192 x 4096 x 128256 on an H200, 8
-             chunks; 1.25x on the CPU test's small shapes, 16 chunks). dh is in W's dtype too, and
-             a loss gradient other than a power of two scales it with one more rounding.
+             chunks; 1.25x on the CPU test's small shapes, 16 chunks).
 The gradients made in the forward wait for the backward outside the autograd graph (`_STASH`), so
 the backward hands them out without a copy.
 """
@@ -35,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import re
 import weakref
@@ -46,7 +43,7 @@ from ..ir import CGraph, CNode
 from .cache import load_module
 from .codegen import HEADER, _cse_lines
 from .derive import derive
-from .rowkernel import _cdiv, _pow2
+from .rowkernel import _pow2
 from .spec import LOW, SERVED, Unsupported, build_spec
 from .sym import round_to
 
@@ -144,7 +141,7 @@ def transform(spelling, dtype: torch.dtype, rounding: str) -> Transform:
 # ---- the Triton kernel: per row, online logsumexp over vocab blocks, then the gradient -----------
 
 
-def kernel_source(name: str, tf: Transform, qual: str, dtype: torch.dtype) -> str:
+def kernel_source(name: str, tf: Transform, qual: str) -> str:
     sc = "".join(f"{s}, " for s in tf.scalars)
     pin = "".join(f"    {s} = tl.full([], {s}, tl.float32)\n" for s in tf.scalars)
     fwd = "\n".join(tf.fwd_lines)
@@ -196,17 +193,6 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
             g = (tl.exp(({name}_y(v_x, {sc}) - m) - ls) - tl.where(c == t, 1.0, 0.0)) * k
 {bwd}
             tl.store(z_ptr + row * z_s0 + c, {tf.bwd}, mask=msk)
-
-
-@triton.jit
-def {name}_scale(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
-    # x *= g in place, g read on the device (no host sync); nothing is read or written when g == 1
-    g = tl.load(g_ptr).to(tl.float32)
-    if g != 1.0:
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(x_ptr + i, {"_round_bf16(x * g)" if dtype == torch.bfloat16 else "x * g"}.to(x_ptr.dtype.element_ty), mask=m)
 """
     )
 
@@ -215,9 +201,9 @@ def {name}_scale(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str):
     tf = transform(spelling, dtype, rounding)
     name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
-    src = kernel_source(name, tf, spelling.qualname, dtype)
+    src = kernel_source(name, tf, spelling.qualname)
     mod, _ = load_module(name, src, interpret=device_type == "cpu")
-    return getattr(mod, name), tf, getattr(mod, f"{name}_scale")
+    return getattr(mod, name), tf
 
 
 # ---- chunking ------------------------------------------------------------------------------------
@@ -243,14 +229,11 @@ def _ce_config(V: int, device: torch.device) -> tuple[int, int]:
     return min(cap, _pow2(max(V, 1))), warps
 
 
-def narrow_in_place(
-    x: torch.Tensor, dtype: torch.dtype, rows: int = 4096, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (float32, contiguous), times `scale` (a one-element float32 tensor, read on the device) if
-    given, rounded to the 2-byte `dtype` inside x's own storage: a view of its first half. Row block
-    [r, r + b) is written over bytes that held rows below r, already read, so no second full-size
-    buffer is needed (the fp32 weight-gradient accumulator: 2x the weight, not 3x, at its peak).
-    The storage keeps x's size until the result is freed."""
+def narrow_in_place(x: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
+    """x (float32, contiguous) rounded to the 2-byte `dtype` inside x's own storage: a view of its
+    first half. Row block [r, r + b) is written over bytes that held rows below r, already read, so
+    no second full-size buffer is needed (the fp32 weight-gradient accumulator: 2x the weight,
+    not 3x, at its peak). The storage keeps x's size until the result is freed."""
     assert x.dtype == torch.float32 and x.is_contiguous() and torch.empty((), dtype=dtype).element_size() == 2
     n = x.shape[0]
     if n == 0:
@@ -258,16 +241,11 @@ def narrow_in_place(
     flat = x.view(n, -1)
     out = x.view(-1).view(dtype)[: x.numel()].view(n, -1)  # same storage, reinterpreted
     first = min(n, 1)
-    g = None if scale is None else scale.reshape(())
-    # row 0's destination overlaps itself: through a copy
-    head = (flat[:first] if g is None else flat[:first] * g).to(dtype)
+    head = flat[:first].to(dtype)  # row 0's destination overlaps itself: through a copy
     r = first
     while r < n:
         b = min(r, rows, n - r)  # b <= r: the destination ends at byte 4*r*H, where the source starts
-        if g is None:
-            out[r : r + b].copy_(flat[r : r + b])
-        else:  # the product in float32, rounded once into the destination
-            torch.mul(flat[r : r + b], g, out=out[r : r + b])
+        out[r : r + b].copy_(flat[r : r + b])
         r += b
     out[:first].copy_(head)
     return out.view(x.shape)
@@ -289,10 +267,9 @@ def forward(
     chunk,
     accumulate,
     rounding,
+    grad_scale: float = 1.0,
 ):
-    """-> (loss, dh, dW): the gradients for a loss gradient of 1, empty where not needed, and not yet
-    rounded to W's dtype under fp32 accumulation (float32: `finish` scales them by the loss's
-    incoming gradient, then rounds once)."""
+    """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale`, empty where not needed."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     for name, t in (("h", h), ("weight", W)):
@@ -301,7 +278,7 @@ def forward(
     if h.dtype != W.dtype:
         raise Unsupported(f"h is {h.dtype} and the weight {W.dtype}; the linear needs one dtype")
     dev = h.device
-    fn, tf, _ = _kernel(spelling, W.dtype, rounding, dev.type)
+    fn, tf = _kernel(spelling, W.dtype, rounding, dev.type)
     H, V = W.shape[1], W.shape[0]
     h2 = h.reshape(-1, H)
     t = target.reshape(-1)
@@ -312,13 +289,9 @@ def forward(
     losses = torch.empty(T, dtype=torch.float32, device=dev)
     # mean: over the labels counted; HF's sum / num_items_in_batch: over what the caller counted
     denom = (t != int(ignore_index)).sum().to(torch.float32) if divisor is None else divisor
-    scale = (1.0 / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
+    scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
+    dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32
-    dh = (
-        torch.empty(h2.shape, dtype=torch.float32 if acc32 else h.dtype, device=dev)
-        if needs_h
-        else h.new_empty(0)
-    )
     dW = (
         torch.empty(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
         if needs_w
@@ -343,12 +316,7 @@ def forward(
             num_warps=warps,
         )
         if needs_h:
-            if acc32 and dev.type == "cuda":  # float32 out: rounded once, in finish(), after the scaling
-                torch.addmm(dh[c0 : c0 + C], z, W, beta=0.0, out_dtype=torch.float32, out=dh[c0 : c0 + C])
-            elif acc32:
-                torch.mm(z.float(), W.float(), out=dh[c0 : c0 + C])
-            else:
-                torch.mm(z, W, out=dh[c0 : c0 + C])
+            torch.mm(z, W, out=dh[c0 : c0 + C])
         if needs_w:
             beta = 0.0 if c0 == 0 else 1.0  # the first chunk writes dW without reading it
             if acc32 and dev.type == "cuda":
@@ -361,27 +329,9 @@ def forward(
     loss = losses.sum() / denom
     if needs_w and T == 0:
         dW.zero_()
-    return loss.to(tf.out_dtype), dh, dW
-
-
-def finish(kernels, grads: tuple, g: torch.Tensor, dtype: torch.dtype, h_shape) -> tuple:
-    """The forward's gradients (made for a loss gradient of 1) scaled by the incoming gradient g,
-    read on the device: no host sync, so the host keeps queueing the rest of the backward.
-    Float32 accumulators are scaled and rounded to `dtype` in one pass, in place: one rounding, as
-    in the unfused model (where g scales the logits' gradient before it rounds; a power of two
-    gives the same bits either way). Gradients already in `dtype` (accumulate="weight", or
-    float32 weights) are scaled in place, and left untouched when g is 1."""
-    g32 = g.detach().to(torch.float32).reshape(1)
-    out = []
-    for x in grads:
-        if x.numel() and x.dtype != dtype:
-            x = narrow_in_place(x.view(x.shape[0], -1), dtype, scale=g32).view(x.shape)
-        elif x.numel():
-            block = 4096
-            kernels[(_cdiv(x.numel(), block),)](x, g32, x.numel(), BLOCK=block)
-        out.append(x)
-    dh, dW = out
-    return (dh.view(h_shape) if dh.numel() else dh), dW
+    if needs_w and acc32:
+        dW = narrow_in_place(dW, W.dtype)
+    return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW
 
 
 _OPS: dict = {}
@@ -458,7 +408,7 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
             graph, tf_scalars = _transform_graph(sp)
         return named, needs_h, needs_w, chunk, accumulate
 
-    def run(args):
+    def run(args, grad_scale=1.0):
         named, needs_h, needs_w, chunk, accumulate = unpack(args)
         return forward(
             sp,
@@ -473,6 +423,7 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
             chunk,
             accumulate,
             rounding,
+            grad_scale=grad_scale,
         )
 
     def impl(*args):
@@ -497,16 +448,23 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
     h_idx, w_idx = names.index("h"), names.index("weight")
 
     def bwd_impl(g, ticket, *args):
-        """The gradients for the loss's incoming gradient g: the ones the forward made for a loss
-        gradient of 1, scaled on the device (see `finish`). A second backward through a retained
-        graph (the forward's were handed out) makes them again, the same way."""
+        """The gradients for the loss's incoming gradient g, from the ones the forward made for 1.
+        Scaling by a power of two (1 in plain training, a loss scale) is exact and done in place;
+        any other g, or a second backward through a retained graph (the stash was handed out),
+        makes the gradients again with g folded in before the softmax gradient rounds, as the
+        unfused model does."""
+        gv = float(g)
         got = _STASH.pop(int(ticket), None)
-        if got is None:
-            _, *got = run(args)
-        named = dict(zip(names, args[:n_args]))
-        W = named["weight"]
-        _, _, scale_kernel = _kernel(sp, W.dtype, rounding, W.device.type)
-        return finish(scale_kernel, tuple(got), g, W.dtype, named["h"].shape)
+        mant, _ = math.frexp(gv)
+        if got is not None and (gv == 0.0 or abs(mant) == 0.5):
+            dh, dW = got
+            if gv != 1.0:
+                dh.mul_(gv)
+                dW.mul_(gv)
+            return dh, dW
+        del got
+        _, dh, dW = run(args, grad_scale=gv)
+        return dh, dW
 
     def bwd_fake(g, ticket, *args):
         named, needs_h, needs_w, _, _ = unpack(args)

@@ -132,10 +132,15 @@ def test_every_spelling_thorough_on_gpu(sp, request):
     from kernelgraft.gradcheck import strategies
 
     wide = 4096 if sp.kernel == "lm_head_ce" else MAX_N  # wider rows are refused (see test_kernels)
+    # The LM head's gradients are sums over the vocabulary: at 4 rows x 8 the 32 numbers of grad h
+    # make the rule a coin toss between equally rounded results (seen on the H200: Gemma's bf16
+    # softcap, the kernel's bits equal the CPU eager's, CUDA's eager tanh rounds one logit the
+    # other way: 0.00426 vs 0.00381 on 32 numbers). From 16 rows the error is a statistic.
+    low = 16 if sp.kernel == "lm_head_ce" else 4
     count = EXAMPLES_RUN.setdefault(sp.qualname, [0])
 
     @_thorough_settings()
-    @given(strategies.cases(sp, min_rows=4, max_width=wide, dtype_choices=dtypes_for(sp), device="cuda"))
+    @given(strategies.cases(sp, min_rows=low, max_width=wide, dtype_choices=dtypes_for(sp), device="cuda"))
     def check(case):
         count[0] += 1
         verdicts = check_spelling(sp, case.args, compile_ref=False)  # eager alone: the stricter bound

@@ -6,10 +6,10 @@ Setups (`--setups`): the per-GPU batch is the one-GPU shape of benchmarks/suite.
              then the root)
   ddp-1b     the Llama-3.2-1B shape, 8x2048 tokens per GPU, DistributedDataParallel
 
-A step is suite.measure_step's: forward with labels=ids, loss.backward(), zero_grad(set_to_none=True),
-no optimizer; every rank runs its own random batch (seed + rank). The first step is timed on its own
-(it compiles), then one warm-up step, then `--steps` timed steps, each between a device synchronize
-and a barrier. Reported per (setup, mode, world size): tokens/s per GPU (per-rank tokens over the
+A step is suite.measure_step's: forward with labels=ids (and use_cache=False: see measure()),
+loss.backward(), zero_grad(set_to_none=True), no optimizer; every rank runs its own random batch
+(seed + rank). The first step is timed on its own (it compiles), then one warm-up step, then
+`--steps` timed steps, each between a barrier and a device synchronize. Reported per (setup, mode, world size): tokens/s per GPU (per-rank tokens over the
 slowest rank's median step), the scaling efficiency (tokens/s per GPU at world size N over world size
 1), the peak memory per GPU (max over ranks of max_memory_allocated, reset before the timed steps),
 the first step's seconds and its loss. At world size 1 the model is measured unwrapped: a plain
@@ -21,7 +21,8 @@ runs this file again in worker mode (Liger patches transformers' classes for the
 a fresh process per run keeps every mode clean). A run that fails (exception, OOM, `--timeout`) is
 an error row; the others still run. Results merge into DIR/distributed.json (rewritten after every
 run; an earlier file in DIR is kept and updated, so a long benchmark can be split over several
-commands with the same --out; `--fresh` starts over) and DIR/distributed.md.
+commands with the same --out; `--fresh` starts over; or give each command its own --out and join
+them with --merge) and DIR/distributed.md.
 
     # 2 GPUs of one host (NVLink multicast is switched off in every child: see NO_MULTICAST)
     python benchmarks/bench_distributed.py --out DIR [--setups fsdp2-8b,ddp-1b] \\
@@ -29,6 +30,8 @@ commands with the same --out; `--fresh` starts over) and DIR/distributed.md.
     # CPU smoke test, no GPU: gloo, a tiny Llama in float32, Triton's interpreter
     python benchmarks/bench_distributed.py --out DIR --device cpu --tiny --steps 2 \\
         --modes "eager,kernelgraft (eager)"
+    # runs made by several commands (each with its own --out) in one table
+    python benchmarks/bench_distributed.py --out DIR --merge A/distributed.json B/distributed.json
     # a PNG of an earlier run (needs matplotlib: run it where that is installed)
     python benchmarks/bench_distributed.py --plot DIR/distributed.json   -> DIR/distributed.png
 """
@@ -56,6 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
 
@@ -97,7 +101,9 @@ def apply_mode(model, mode: str):
         import kernelgraft
 
         acc = "weight" if "bf16 dW" in mode else "fp32"
-        kernelgraft.optimize(model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc)
+        kernelgraft.optimize(
+            model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc
+        )
     elif mode == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -173,7 +179,10 @@ def measure(model, ids, steps: int, dev: torch.device) -> dict:
             torch.cuda.synchronize(dev)
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        # use_cache=False: under FSDP2 dynamo breaks the graph at every sharded layer, and a KV cache
+        # makes each layer's frame guard on its layer_idx: a recompile per layer, and past dynamo's
+        # recompile limit (8) the remaining layers run uncompiled. Training needs no cache.
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()
@@ -227,18 +236,25 @@ def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
     if hasattr(model, "kernelgraft_report"):
         out["sites"] = model.kernelgraft_report.counts()
     if rank == 0:
-        import transformers
-        import triton
-
         out["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        out["versions"] = (
-            f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
-        )
+        out["versions"] = ", ".join(f"{p} {version(p)}" for p in ("torch", "triton", "transformers"))
     return out
+
+
+def version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(package)
+    except PackageNotFoundError:
+        return "?"
 
 
 def worker(a) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with open(os.path.join(a.run_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))  # for the parent, should torchrun not end this rank after a timeout
     path = os.path.join(a.run_dir, f"rank{rank}.json")
     try:
         out, rc = run_rank(a, rank, int(os.environ["LOCAL_RANK"]), world), 0
@@ -252,7 +268,11 @@ def worker(a) -> int:
         if rc == 0:
             dist.barrier()
         dist.destroy_process_group()
-    return rc
+    # skip the interpreter's teardown: on gloo a library thread at exit now and then aborts the
+    # process ("terminate called without an active exception") after the results are written
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 # ---- parent: one torchrun per (setup, world size, mode) --------------------------------------------
@@ -273,17 +293,29 @@ def torchrun_cmd(a, setup: str, world: int, mode: str, run_dir: str) -> list[str
     return cmd + (["--tiny"] if a.tiny else [])
 
 
-def stop_group(p: subprocess.Popen) -> None:
-    """End torchrun and its workers (their own session, started by us) after a timeout."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+def stop_run(p: subprocess.Popen, run_dir: str) -> None:
+    """After a timeout: end the torchrun we started (SIGTERM: it stops its workers, waiting up to
+    30 s for them), then any worker still alive, by the pid it wrote (each runs in its own session)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(p.pid, sig)
-            p.wait(timeout=wait)
-            return
+            p.wait(timeout=60)
+            break
         except ProcessLookupError:
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    for name in os.listdir(run_dir):
+        if name.endswith(".pid"):
+            try:
+                with open(os.path.join(run_dir, name)) as f:
+                    pid = int(f.read())
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    ours = b"--worker" in f.read()  # not a new process that reuses the id
+                if ours:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass  # already gone
 
 
 def log_tail(path: str, n: int = 25) -> str:
@@ -300,7 +332,10 @@ def launch(a, setup: str, world: int, mode: str) -> dict:
     for name in os.listdir(run_dir):
         os.remove(os.path.join(run_dir, name))
     log = os.path.join(run_dir, "log.txt")
-    env = {**os.environ, **NO_MULTICAST}
+    # the workers import kernelgraft from this checkout (installed or not); PYTHONPATH entries
+    # given by the caller (e.g. Liger's unpacked wheel) stay after it
+    path = [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": os.pathsep.join(path)}
     t = time.perf_counter()
     timeout = None
     with open(log, "w") as f:
@@ -311,7 +346,7 @@ def launch(a, setup: str, world: int, mode: str) -> dict:
         try:
             rc = p.wait(timeout=a.timeout)
         except subprocess.TimeoutExpired:
-            stop_group(p)
+            stop_run(p, run_dir)
             rc, timeout = p.returncode, f"timeout: the run took over --timeout {a.timeout:g} s"
     row = dict(
         setup=setup,
@@ -335,10 +370,11 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
         except (OSError, json.JSONDecodeError):
             ranks.append(dict(rank=r, error=None))
     errors = [f"rank {x['rank']}: {x['error']}" for x in ranks if x.get("error")]
-    if timeout or errors or rc != 0 or any("step_s" not in x for x in ranks):
+    if timeout or errors or any("step_s" not in x for x in ranks):
         last = log_tail(log, 1).strip()
         why = timeout or "; ".join(errors) or f"exit code {rc}, no result; last log line: {last[-200:]}"
         return dict(error=why[:600])
+    warning = {} if rc == 0 else dict(warning=f"torchrun exit code {rc} after every rank wrote its result")
     step_s = max(x["step_s"] for x in ranks)  # the slowest rank sets the pace
     peaks = [x["peak_gib"] for x in ranks]
     r0 = ranks[0]
@@ -355,6 +391,7 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
         dynamo=r0.get("dynamo"),
         device_name=r0.get("device_name"),
         versions=r0.get("versions"),
+        **warning,
     )
 
 
@@ -394,14 +431,17 @@ def summary_lines(rows: list[dict]) -> list[str]:
                         f"; {r['mode']} keeps {eff:.0%} of its one-GPU tok/s "
                         f"(goal: within {1 - GOAL:.0%}: {met})"
                     )
-        out.append(line)
+        failed = [r["mode"] for r in rows if r["setup"] == setup and r.get("error")]
+        failed = [m for m in dict.fromkeys(failed) if m.startswith("kernelgraft")]
+        out.append(line + "".join(f"; {m} failed (see its row)" for m in failed))
     return out
 
 
 def markdown(doc: dict) -> str:
     rows = doc["rows"]
     L = [
-        f"Distributed training step (fwd + bwd, no optimizer), {doc.get('device_name', '?')}, "
+        f"Distributed training step (fwd with labels, use_cache=False + bwd, no optimizer), "
+        f"{doc.get('device_name', '?')}, "
         f"{doc['date']}, {doc.get('versions', '?')}, median of {doc['steps']} steps\n",
         "World size 1: the model unwrapped on one device (the baseline); world size N: N ranks, each "
         "with its own batch of the same shape. Scaling efficiency: tok/s per GPU at N over at 1.\n",
@@ -425,6 +465,11 @@ def markdown(doc: dict) -> str:
         )
     L += ["", *summary_lines(rows)]
     L += [f"- {n}" for n in doc.get("notes", [])]
+    L += [
+        f"- {r['setup']} {r['mode']} world size {r['world_size']}: {r['warning']}"
+        for r in rows
+        if r.get("warning")
+    ]
     return "\n".join(L) + "\n"
 
 
@@ -471,7 +516,9 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--setups", default=",".join(SETUPS))
-    ap.add_argument("--modes", default=None, help=f"default: {','.join(GPU_MODES)} (cpu: {','.join(CPU_MODES)})")
+    ap.add_argument(
+        "--modes", default=None, help=f"default: {','.join(GPU_MODES)} (cpu: {','.join(CPU_MODES)})"
+    )
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun (one setup, size, mode)")
@@ -480,6 +527,12 @@ def parse(argv):
     ap.add_argument("--tiny", action="store_true", help=f"a {TINY_NAME} (float32) in every setup")
     ap.add_argument("--fresh", action="store_true", help="drop the rows of an earlier DIR/distributed.json")
     ap.add_argument("--plot", metavar="JSON", help="only make the PNG of an earlier run (needs matplotlib)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="only merge runs into --out (later wins, but a failure keeps an earlier success)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -496,7 +549,9 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
     try:
         worlds = [int(w) for w in a.world_sizes.split(",") if w]
     except ValueError:
-        raise SystemExit(f"bench_distributed: --world-sizes wants numbers like 1,2, got {a.world_sizes!r}") from None
+        raise SystemExit(
+            f"bench_distributed: --world-sizes wants numbers like 1,2, got {a.world_sizes!r}"
+        ) from None
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"bench_distributed: --world-sizes wants sizes >= 1, got {a.world_sizes!r}")
     cpu = a.device == "cpu"
@@ -514,16 +569,19 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
     else:
         n = torch.cuda.device_count()
         if n < max(worlds):
+            fits = ",".join(str(w) for w in worlds if w <= n) or str(n)
+            fix = f"pass --world-sizes {fits} on this host" if n else "this host has no GPU"
             raise SystemExit(
                 f"bench_distributed: --world-sizes {a.world_sizes} needs {max(worlds)} GPUs (one per rank), "
-                f"but torch.cuda.device_count() found {n}; pass --world-sizes "
-                f"{','.join(str(w) for w in worlds if w <= n) or '1'} on this host"
-                + ("" if n else ", or run the CPU smoke test with --device cpu --tiny")
+                f"but torch.cuda.device_count() found {n}; {fix} "
+                "(or run the CPU smoke test: --device cpu --tiny)"
             )
     notes = []
     if "liger" in modes and importlib.util.find_spec("liger_kernel") is None:
         modes.remove("liger")
-        notes.append("liger skipped: liger_kernel is not importable (install its wheel or put it on PYTHONPATH)")
+        notes.append(
+            "liger skipped: liger_kernel is not importable (install its wheel or put it on PYTHONPATH)"
+        )
         print(f"note: {notes[-1]}", flush=True)
     return setups, worlds, modes, notes
 
@@ -557,9 +615,32 @@ def upsert(rows: list[dict], row: dict) -> None:
     rows.sort(key=lambda r: (order.get(r["setup"], 99), r["world_size"]))  # stable: modes in run order
 
 
+def merge_files(paths: list[str], out: str) -> int:
+    """The rows of several distributed.json files (e.g. one per command on the GPU host) in one."""
+    doc = dict(rows=[], notes=[])
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        for row in d["rows"]:
+            key = (row["setup"], row["world_size"], row["mode"])
+            had = [r for r in doc["rows"] if (r["setup"], r["world_size"], r["mode"]) == key]
+            if not (row.get("error") and had and not had[0].get("error")):  # a failure keeps a success
+                upsert(doc["rows"], row)
+        doc.update({k: v for k, v in d.items() if k not in ("rows", "notes")})
+        doc["notes"] += [n for n in d.get("notes", []) if n not in doc["notes"]]
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "distributed.json")
+    save(doc, path)
+    print(markdown(doc))
+    print(f"wrote {path} and {os.path.join(out, 'distributed.md')}")
+    return 0
+
+
 def report(i: int, n: int, row: dict) -> None:
     took = f"same run as {row['same_run_as']}" if row.get("same_run_as") else f"{row['wall_s']:.0f} s"
     head = f"[{i}/{n}] {row['setup']} world size {row['world_size']} {row['mode']} ({took}):"
+    if row.get("warning"):
+        print(f"{head} warning: {row['warning']}; log: {row['log']}", flush=True)
     if row.get("error"):
         print(f"{head} FAILED {row['error']}\n  log: {row['log']}", flush=True)
     else:
@@ -577,6 +658,8 @@ def main(argv=None) -> int:
     if a.plot:
         print(plot(a.plot))
         return 0
+    if a.merge:
+        return merge_files(a.merge, a.out)
     setups, worlds, modes, notes = check(a)
     os.makedirs(a.out, exist_ok=True)
     doc, path = load_doc(a, notes)

@@ -6,7 +6,7 @@ import torch
 from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
-from kernelgraft.kernels import op_for, rowkernel
+from kernelgraft.kernels import lm_head, op_for, rowkernel
 from kernelgraft.kernels.ops import pair_op_for
 from kernelgraft.patterns import REGISTRY
 
@@ -271,6 +271,8 @@ def broken_kernels(monkeypatch):
             return launch
 
     monkeypatch.setattr(rowkernel.RowKernel, "fn", lambda self, which, device: Broken())
+    real = lm_head._kernel
+    monkeypatch.setattr(lm_head, "_kernel", lambda *a: (Broken(), real(*a)[1]))
     monkeypatch.setattr(rowkernel, "FAILED", {})
     return rowkernel
 
@@ -295,4 +297,6 @@ def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels):
     with pytest.warns(RuntimeWarning, match="stock PyTorch code"):
         verdicts = compare_models(mine, stock, batch(), compiled=False)
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
-    assert len(broken_kernels.FAILED) >= 3  # norm, rope (paired), gated mlp: each warned once
+    # norm, rope (paired), gated mlp, the LM head's CE kernel: each warned once
+    assert len(broken_kernels.FAILED) >= 4
+    assert any(k[0].startswith("lm_head_ce") for k in broken_kernels.FAILED)

@@ -160,6 +160,42 @@ def test_incoming_gradient_is_folded_in_before_the_logit_gradient_rounds(g):
     assert_ok(check_spelling(sp, args, grad_out=torch.tensor(g), compile_ref=False))
 
 
+@pytest.fixture
+def broken_ce_kernel(monkeypatch):
+    """The CE kernel fails at launch, as a Triton compile error would."""
+    from kernelgraft.kernels import rowkernel
+
+    real = lm_head._kernel
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("injected: triton compilation failed")
+
+            return launch
+
+    monkeypatch.setattr(lm_head, "_kernel", lambda *a: (Broken(), real(*a)[1]))
+    monkeypatch.setattr(rowkernel, "FAILED", {})
+    return rowkernel
+
+
+@pytest.mark.parametrize("g", [1.0, 0.37])
+def test_a_ce_kernel_that_fails_falls_back_to_the_stock_code(broken_ce_kernel, g):
+    from kernelgraft.kernels import failed_kernels
+
+    sp, args = make_args("softcap_mean", 24, 16, 90, torch.bfloat16, seed=8)
+    h, w = args[0], args[1]
+    with pytest.warns(RuntimeWarning, match="failed on cpu .*injected.*stock PyTorch code"):
+        loss = op_for(sp).configured(chunk=8)(*args)
+    gh, gw = torch.autograd.grad(loss, (h, w), torch.tensor(g))
+    ref = sp.fn(*args)
+    rh, rw = torch.autograd.grad(ref, (h, w), torch.tensor(g))
+    assert torch.equal(loss, ref) and torch.equal(gh, rh) and torch.equal(gw, rw)  # the stock numbers
+    assert any(k[0].startswith("lm_head_ce__softcap_mean") for k in failed_kernels())
+    loss2 = op_for(sp)(*args)  # recorded: later calls go straight to the stock code, no second warning
+    assert torch.equal(loss2, ref)
+
+
 def weight_grad_error(accumulate, chunk):
     sp, args = make_args("hf_mean", 512, 64, 1024, torch.bfloat16, seed=11, ignore_every=0)
     return {

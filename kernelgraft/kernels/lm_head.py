@@ -197,10 +197,14 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
     )
 
 
+def kernel_name(spelling, dtype: torch.dtype, rounding: str) -> str:
+    return re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
+
+
 @functools.cache
 def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str):
     tf = transform(spelling, dtype, rounding)
-    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
+    name = kernel_name(spelling, dtype, rounding)
     src = kernel_source(name, tf, spelling.qualname)
     mod, _ = load_module(name, src, interpret=device_type == "cpu")
     return getattr(mod, name), tf
@@ -278,7 +282,13 @@ def forward(
     if h.dtype != W.dtype:
         raise Unsupported(f"h is {h.dtype} and the weight {W.dtype}; the linear needs one dtype")
     dev = h.device
-    fn, tf = _kernel(spelling, W.dtype, rounding, dev.type)
+    try:
+        fn, tf = _kernel(spelling, W.dtype, rounding, dev.type)
+    except Unsupported:
+        raise
+    except Exception as e:  # noqa: BLE001 - generated source that does not load: the caller falls back
+        _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
+        raise KernelFailed from e
     H, V = W.shape[1], W.shape[0]
     h2 = h.reshape(-1, H)
     t = target.reshape(-1)
@@ -302,19 +312,23 @@ def forward(
     for c0 in range(0, T, C):
         hc = h2[c0 : c0 + C]
         z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
-        fn[(hc.shape[0],)](
-            z,
-            z.stride(0),
-            t[c0 : c0 + C],
-            losses[c0 : c0 + C],
-            scale,
-            *scalars,
-            V,
-            int(ignore_index),
-            GRAD=grad,
-            BLOCK_V=BV,
-            num_warps=warps,
-        )
+        try:
+            fn[(hc.shape[0],)](
+                z,
+                z.stride(0),
+                t[c0 : c0 + C],
+                losses[c0 : c0 + C],
+                scale,
+                *scalars,
+                V,
+                int(ignore_index),
+                GRAD=grad,
+                BLOCK_V=BV,
+                num_warps=warps,
+            )
+        except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
+            _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
+            raise KernelFailed from e
         if needs_h:
             torch.mm(z, W, out=dh[c0 : c0 + C])
         if needs_w:
@@ -335,6 +349,48 @@ def forward(
 
 
 _OPS: dict = {}
+
+
+class KernelFailed(Exception):
+    """The CE kernel failed to compile or launch (recorded in FAILED, warned about once)."""
+
+
+def _failed(name: str, dev: torch.device, e: Exception) -> None:
+    import warnings
+
+    from .rowkernel import FAILED
+
+    key = (name, dev.type)
+    if key not in FAILED:
+        FAILED[key] = f"{type(e).__name__}: {e}"[:500]
+        warnings.warn(
+            f"kernelgraft: the generated kernel {name} failed on {dev.type} ({FAILED[key][:200]}). "
+            "Its LM-head sites run their stock PyTorch code from now on: same numbers as without "
+            "kernelgraft, and the full logits in memory again.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def reference(spelling, named: dict, needs_h: bool, needs_w: bool, grad_scale: float = 1.0) -> tuple:
+    """(loss, dh, dW) from the spelling itself (the stock code, full logits): the path of a kernel
+    that failed. torch.func.vjp, not autograd: inside a custom op's implementation autograd does
+    not record."""
+    named = dict(named, ignore_index=int(named["ignore_index"]))  # the op's schema carries it as a float
+    h, W = named["h"], named["weight"]
+    diff = [n for n, need in (("h", needs_h), ("weight", needs_w)) if need]
+
+    def f(*ts):
+        call = dict(named, **dict(zip(diff, ts)))
+        return spelling.fn(*(call[a] for a in spelling.arg_names))
+
+    if not diff:
+        with torch.no_grad():
+            return f(), h.new_empty(0), W.new_empty(0)
+    loss, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
+    got = dict(zip(diff, vjp(torch.full_like(loss, grad_scale))))
+    return loss, got.get("h", h.new_empty(0)), got.get("weight", W.new_empty(0))
+
 
 # The gradients the forward made, until the backward takes them: held here rather than saved in the
 # autograd graph, so the backward can hand them out without a copy (a custom op may not return its
@@ -410,6 +466,17 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
 
     def run(args, grad_scale=1.0):
         named, needs_h, needs_w, chunk, accumulate = unpack(args)
+        from .rowkernel import FAILED
+
+        W = named["weight"]
+        if (kernel_name(sp, W.dtype, rounding), W.device.type) in FAILED:
+            return reference(sp, named, needs_h, needs_w, grad_scale)
+        try:
+            return fused(named, needs_h, needs_w, chunk, accumulate, grad_scale)
+        except KernelFailed:
+            return reference(sp, named, needs_h, needs_w, grad_scale)
+
+    def fused(named, needs_h, needs_w, chunk, accumulate, grad_scale):
         return forward(
             sp,
             named["h"],

@@ -206,7 +206,9 @@ def build(shape, mode):
     if s.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        lc = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        # as ANCHORS.md's row: r 16 on every linear of the decoder layers
+        lin = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        lc = LoraConfig(r=16, lora_alpha=16, target_modules=lin)
         model = get_peft_model(model, lc)
     if mode == "torch.compile":
         model.compile()

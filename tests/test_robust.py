@@ -122,9 +122,21 @@ def test_arguments_on_two_devices_are_refused_before_any_kernel_runs():
     assert "several devices" in dtype_check(site)
 
 
-def test_dynamic_shapes_recompile_a_bounded_number_of_times():
+def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
     """20 steps, sequence lengths and batch sizes all different: dynamo marks the dims dynamic after
-    the first change, so the model is captured a few times, not 20; every step is correct."""
+    the first change, so the model is captured a few times, not 20; every step is correct; and the
+    launch configs (Triton compiles one kernel per config) stay a handful, not one per shape."""
+    from kernelgraft.kernels import rowkernel
+
+    configs = set()
+    real_config = rowkernel._config
+
+    def spy(M, N, device):
+        cfg = real_config(M, N, device)
+        configs.add((N, tuple(sorted(cfg.items()))))
+        return cfg
+
+    monkeypatch.setattr(rowkernel, "_config", spy)
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     g = torch.Generator().manual_seed(0)
@@ -140,9 +152,20 @@ def test_dynamic_shapes_recompile_a_bounded_number_of_times():
     # the first shape, then S dynamic, then B dynamic, and B == 1 (dynamo specializes sizes 0/1)
     assert rep.graphs <= 4, rep.graphs
     assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
-    from kernelgraft.kernels import rowkernel
+    widths = {n for n, _ in configs}
+    # on the CPU the row block is the next power of two of the rows up to 8 (1, 2, 4, 8): at most 4
+    # configs per width, whatever the 20 shapes were; rows vary over 2..69 here
+    assert len(configs) <= 4 * len(widths), sorted(configs)
 
-    assert rowkernel._row_plan.cache_info().currsize <= rowkernel._row_plan.cache_info().maxsize
+
+def test_gpu_launch_configs_depend_on_the_width_only():
+    # one compiled kernel per width on a GPU, however many rows (tokens) a step has
+    from kernelgraft.kernels.rowkernel import _config
+
+    cuda = torch.device("cuda")  # only a key here: nothing is launched
+    for N in (1, 7, 128, 4096, 14336, 65536):
+        seen = {tuple(sorted(_config(M, N, cuda).items())) for M in range(1, 300000, 997)}
+        assert len(seen) == 1, (N, seen)
 
 
 WORKER = textwrap.dedent(

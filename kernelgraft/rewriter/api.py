@@ -20,6 +20,7 @@ def optimize(
     keep_logits: bool = False,
     lm_head_chunk: int | None = None,
     lm_head_accumulate: str = "fp32",
+    causal_attention: bool = True,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object.
 
@@ -33,7 +34,10 @@ def optimize(
     `torch.no_grad()`, logits are returned as usual. `lm_head_chunk` sets the tokens per chunk
     (default: a chunk of logits of at most 256 MiB); `lm_head_accumulate` is "fp32" (the weight
     gradient summed in float32: as accurate as the unfused model) or "weight" (in the weight's
-    dtype: half the memory, less accurate).
+    dtype: half the memory, less accurate). `causal_attention` (default on): an attention call
+    whose mask the graph proves to be the causal mask runs with `is_causal=True` instead
+    (transformers 5.17 and earlier build that mask whenever they are compiled; see
+    kernelgraft/rewriter/attention.py).
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -45,7 +49,10 @@ def optimize(
     if backend not in BACKENDS:
         raise ValueError(f"kernelgraft.optimize: backend must be one of {BACKENDS}, got {backend!r}")
     options = dict(
-        keep_logits=keep_logits, lm_head_chunk=lm_head_chunk, lm_head_accumulate=lm_head_accumulate
+        keep_logits=keep_logits,
+        lm_head_chunk=lm_head_chunk,
+        lm_head_accumulate=lm_head_accumulate,
+        causal_attention=bool(causal_attention),
     )
     if lm_head_accumulate not in ("fp32", "weight"):
         raise ValueError(

@@ -14,6 +14,7 @@ from ..ir import CGraph, CNode
 from ..kernels import op_for, refusal
 from ..kernels.ops import pair_op_for
 from ..patterns.registry import Site
+from .attention import make_causal
 from .canonicalize import canonicalize
 from .match import Failure, Match, Matcher, describe, module_path, resemble
 from .report import NearMiss, RewriteReport, SiteRecord
@@ -207,6 +208,10 @@ def graft(
     assume_training (bool), probe (with dry_run: a callable given each served site's run-time values)."""
     options = options or {}
     rep = RewriteReport(graphs=1)
+    if options.get("causal_attention", True):  # before canonicalize: it edits the fx graph itself
+        done, kept = make_causal(gm, edit=not dry_run)
+        rep.sites += done
+        rep.masks_kept += kept
     cg: CGraph = canonicalize(gm.graph)
     taken: set = set()
     redirect: dict = {}

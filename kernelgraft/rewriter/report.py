@@ -58,6 +58,9 @@ class RewriteReport:
     sites: list[SiteRecord] = field(default_factory=list)
     fallbacks: list[SiteRecord] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
+    # attention calls whose mask was not proven causal (sliding windows, padding, symbolic sizes...):
+    # they run as written; the reason says why (rewriter/attention.py)
+    masks_kept: list[SiteRecord] = field(default_factory=list)
     graphs: int = 0  # captures seen, recompiles included
 
     def counts(self) -> dict[str, int]:
@@ -75,12 +78,14 @@ class RewriteReport:
             self.sites = [r for r in self.sites if r.graph != frame]
             self.fallbacks = [r for r in self.fallbacks if r.graph != frame]
             self.near_misses = [r for r in self.near_misses if r.graph != frame]
+            self.masks_kept = [r for r in self.masks_kept if r.graph != frame]
         key = frame if frame is not None else self.graphs
-        for r in other.sites + other.fallbacks + other.near_misses:
+        for r in other.sites + other.fallbacks + other.near_misses + other.masks_kept:
             r.graph = key
         self.sites += other.sites
         self.fallbacks += other.fallbacks
         self.near_misses += other.near_misses
+        self.masks_kept += other.masks_kept
         self.graphs += other.graphs
 
     def __str__(self) -> str:
@@ -93,6 +98,9 @@ class RewriteReport:
         if self.near_misses:
             out.append(f"near misses ({len(self.near_misses)}):")
             out += [f"  - {m}" for m in self.near_misses]
+        if self.masks_kept:
+            out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
+            out += [f"  - {r.module}: {r.reason}" for r in self.masks_kept]
         return "\n".join(out)
 
     __repr__ = __str__

@@ -1,0 +1,142 @@
+"""Attention masks proven causal on the captured graph run as `is_causal=True`
+(kernelgraft/rewriter/attention.py); every other mask is kept, with the reason reported, and the
+numbers are the stock module's either way (the DESIGN.md rule against float64)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+from kernelgraft.gradcheck import judge
+from kernelgraft.rewriter.attention import causal_verdict
+
+
+class Attn(torch.nn.Module):
+    """One attention call; the mask spelled in one of several ways."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v, pad=None):
+        lq, lk = q.shape[-2], k.shape[-2]
+        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        j = torch.arange(lk, device=q.device)[None, :]
+        if self.kind == "bool":
+            m = j <= i
+        elif self.kind == "float":  # HF's older additive spelling: finfo.min above the diagonal
+            m = torch.zeros(lq, lk, dtype=q.dtype, device=q.device).masked_fill(
+                j > i, torch.finfo(q.dtype).min
+            )
+        elif self.kind == "window":  # causal and a sliding window of 3: not the causal mask
+            m = (j <= i) & (i - j < 3)
+        elif self.kind == "upper":
+            m = j >= i
+        elif self.kind == "padded":  # reads an input: not a function of the shapes
+            m = (j <= i)[None, None] & pad[:, None, None, :].bool()
+        else:
+            raise ValueError(self.kind)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def qkv(B=2, H=2, L=9, Lk=None, D=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, H, Lk or L, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, H, Lk or L, D, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def run(module, args):
+    out = module(*args)
+    grads = torch.autograd.grad(
+        out, [a for a in args if a is not None and a.requires_grad], torch.ones_like(out)
+    )
+    return [out, *grads]
+
+
+def assert_as_stock(stock, mine, args):
+    """Output and every input gradient of `mine` by the rule, against float64 and the stock module."""
+    wide = [a.detach().double().requires_grad_(a.requires_grad) if a is not None else None for a in args]
+    truth = run(stock, wide)
+    eager = run(stock, args)
+    got = run(mine, args)
+    bad = [str(v) for v in map(judge, ["out", "q", "k", "v"], truth, got, eager) if not v.ok]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_causal_mask_built_from_the_shapes_becomes_is_causal(kind):
+    stock = Attn(kind)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    args = qkv()
+    assert_as_stock(stock, mine, args)
+    rep = mine.kernelgraft_report
+    assert rep.counts() == {"sdpa": 1} and not rep.masks_kept, str(rep)
+
+
+@pytest.mark.parametrize(
+    "kind,why",
+    [("window", "not the lower triangle"), ("upper", "not the lower triangle"), ("padded", "placeholder")],
+)
+def test_other_masks_are_kept_with_the_reason(kind, why):
+    stock = Attn(kind)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    args = qkv()
+    if kind == "padded":
+        pad = torch.ones(2, 9)
+        pad[1, 6:] = 0
+        args = (*args, pad)
+    assert_as_stock(stock, mine, args)
+    rep = mine.kernelgraft_report
+    assert "sdpa" not in rep.counts()
+    assert [r.pattern for r in rep.masks_kept] == ["sdpa"] and why in rep.masks_kept[0].reason, str(rep)
+    assert "attention masks kept as written (1):" in str(rep) and not rep.fallbacks
+
+
+def test_query_and_key_of_different_lengths_keep_their_mask():
+    # SDPA's is_causal aligns the triangle to the top left; a mask aligned to the bottom right differs
+    stock = Attn("bool")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    args = qkv(L=5, Lk=9)
+    assert_as_stock(stock, mine, args)
+    assert mine.kernelgraft_report.masks_kept[0].reason.startswith("query length 5 != key length 9")
+
+
+def test_symbolic_sizes_keep_the_mask():
+    # after a second length dynamo captures with symbolic sizes: one evaluation would prove nothing
+    stock = Attn("bool")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    for L in (9, 13, 21):
+        assert_as_stock(stock, mine, qkv(L=L, seed=L))
+    rep = mine.kernelgraft_report
+    assert any("symbolic" in r.reason for r in rep.masks_kept), str(rep)
+
+
+def test_hugging_face_mask_built_under_compile_becomes_is_causal(monkeypatch):
+    # transformers 5.17 never skips the causal mask while dynamo traces; 5.24 does. Make the
+    # installed one build it, as 5.17 does: the model's SDPA calls then carry HF's real mask graph
+    import transformers.masking_utils as mu
+
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    bad = [str(v) for v in compare_models(mine, stock, batch(), compiled=False) if not v.ok]
+    assert not bad, bad
+    assert mine.kernelgraft_report.counts()["sdpa"] == stock.config.num_hidden_layers
+    off = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", causal_attention=False)
+    off(**batch()).loss.backward()
+    assert "sdpa" not in off.kernelgraft_report.counts()
+
+
+def test_verdict_on_masks_directly():
+    tril = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert causal_verdict(tril[None, None].expand(2, 1, 4, 4), 4, 4) is None
+    add = torch.zeros(4, 4).masked_fill(~tril, float("-inf"))
+    assert causal_verdict(add, 4, 4) is None
+    assert causal_verdict(torch.zeros(4, 4).masked_fill(~tril, -1e4), 4, 4) is not None  # not -inf enough
+    assert causal_verdict(tril.float(), 4, 4) is not None  # a 0/1 float mask adds 1: not causal
+    assert causal_verdict(tril, 4, 5) is not None

@@ -157,7 +157,15 @@ def test_every_spelling_thorough_on_gpu(sp, request):
 BIG = 2**31 + 2**22  # elements: offsets past what int32 holds
 
 
-def _rows_vs_truth(sp, args, got, g, rows, extra=()):
+def _big(N: int, seed: int, n: int):
+    """n bf16 tensors of M x N > 2**31 elements (requiring grad), an incoming gradient, and M."""
+    M = -(-BIG // N)
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    ts = [torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16) for _ in range(n + 1)]
+    return [t.requires_grad_() for t in ts[:n]], ts[n], M
+
+
+def _rows_vs_truth(sp, args, got, g, rows):
     """The rule on a slice of rows (row-wise patterns): kernelgraft's output and input gradient there
     vs eager's, against float64 truth, each from the spelling run on those rows alone."""
     from kernelgraft.gradcheck import judge
@@ -169,20 +177,15 @@ def _rows_vs_truth(sp, args, got, g, rows, extra=()):
         y = sp.fn(xi, *(a.detach().to(dt) if torch.is_tensor(a) else a for a in args[1:]))
         (gx,) = torch.autograd.grad(y, xi, g[rows].to(dt))
         outs[name] = (y, gx)
-    return [
-        judge(w, outs["truth"][i], got[i], outs["eager"][i]) for i, w in enumerate(("out", "grad x"))
-    ] + list(extra)
+    return [judge(w, outs["truth"][i], got[i], outs["eager"][i]) for i, w in enumerate(("out", "grad x"))]
 
 
 def test_rms_norm_over_2_31_elements():
     sp = REGISTRY.get("rms_norm", "llama")
     N = 4096
-    M = -(-BIG // N)
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    x = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16).requires_grad_()
-    w = (1 + 0.2 * torch.randn(N, device=CUDA, generator=gen)).bfloat16().requires_grad_()
+    (x,), g, M = _big(N, 0, 1)
+    w = (1 + 0.2 * torch.linspace(-1, 1, N, device=CUDA)).bfloat16().requires_grad_()
     y = op_for(sp)(x, w, 1e-6)
-    g = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16)
     gx, gw = torch.autograd.grad(y, (x, w), g)
     assert x.numel() >= BIG and torch.isfinite(gw).all()
     for rows in (slice(0, 256), slice(M // 2 - 128, M // 2 + 128), slice(M - 256, M)):
@@ -204,13 +207,8 @@ def test_rms_norm_over_2_31_elements():
 
 def test_gated_mlp_over_2_31_elements():
     sp = REGISTRY.get("gated_mlp", "silu")
-    N = 14336
-    M = -(-BIG // N)
-    gen = torch.Generator(device=CUDA).manual_seed(1)
-    gate = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16).requires_grad_()
-    up = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    (gate, up), g, M = _big(14336, 1, 2)
     y = op_for(sp)(gate, up)
-    g = torch.randn(M, N, device=CUDA, generator=gen, dtype=torch.bfloat16)
     gg, gu = torch.autograd.grad(y, (gate, up), g)
     from kernelgraft.gradcheck import judge
 

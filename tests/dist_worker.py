@@ -62,10 +62,10 @@ def run(rank, world, how, port):
     verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
     bad = [str(v) for v in verdicts if not v.ok]
     served = sum(r.replaced for r in mine.kernelgraft_report.sites)
-    print(
-        f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {len(verdicts)} served {served}",
-        flush=True,
-    )
+    line = f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {len(verdicts)} served {served}\n"
+    # one write of the whole line: the two ranks share the pipe, and print() writes the text and its
+    # newline separately (seen interleaved as "...served 12rank 0 ok ...")
+    os.write(sys.stdout.fileno(), line.encode())
     dist.destroy_process_group()
 
 

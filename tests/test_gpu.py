@@ -248,3 +248,17 @@ def test_lm_head_chunk_of_logits_over_2_31_elements():
     for i, (what, got) in enumerate((("loss", loss), ("grad h", gh), ("grad weight", gw))):
         v = judge(what, ref["truth"][i], got, ref["eager"][i])
         assert v.ok, str(v)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_causal_mask_rewrite_on_gpu(backend, monkeypatch):
+    # transformers 5.17 (the lent GPU host's) builds the causal mask whenever dynamo traces; newer
+    # ones skip it. Made to build it here either way: every layer's SDPA runs with is_causal=True
+    import transformers.masking_utils as mu
+
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    stock = tiny_model("llama", torch.float32, device="cuda")
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
+    bad = [str(v) for v in compare_models(grafted, stock, batch(device="cuda")) if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts()["sdpa"] == stock.config.num_hidden_layers

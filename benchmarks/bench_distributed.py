@@ -93,26 +93,6 @@ def init_rank(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_mode(model, mode: str):
-    """suite.build's modes, for a model built here (the --tiny one)."""
-    if mode == "torch.compile":
-        model.compile()
-    elif mode.startswith("kernelgraft"):
-        import kernelgraft
-
-        acc = "weight" if "bf16 dW" in mode else "fp32"
-        kernelgraft.optimize(
-            model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc
-        )
-    elif mode == "liger":
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=model)
-    elif mode != "eager":
-        raise ValueError(f"unknown mode {mode!r}")
-    return model
-
-
 def build_tiny(mode: str, dev: torch.device):
     """suite.build for the tiny config, on `dev`, in float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -122,7 +102,7 @@ def build_tiny(mode: str, dev: torch.device):
     cfg._attn_implementation = "sdpa"
     with dev:
         model = AutoModelForCausalLM.from_config(cfg).to(torch.float32)
-    return apply_mode(model, mode)
+    return suite.apply_mode(model, mode)
 
 
 def fully_shard_fn():

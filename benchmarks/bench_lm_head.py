@@ -17,6 +17,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from benchlib import peak_above
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -82,13 +83,7 @@ def measure(T, H, V):
                 torch.autograd.grad(f(h, w, t), (h, w))
 
             ms = do_bench(step, warmup=100, rep=600, return_mode="median")
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            peak = peak_above(step) / 2**30
             rows[name] = dict(fwd_bwd_ms=ms, peak_gib_above_inputs=peak, **errs)
             print(f"{T}x{H}x{V} {name}: {ms:.2f} ms, {peak:.2f} GiB, errors {errs}", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others

@@ -14,6 +14,7 @@ import json
 import os
 
 import torch
+from benchlib import peak_above
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -68,13 +69,7 @@ def measure(M, N, dtype=torch.bfloat16):
 
         t_f = do_bench(fwd, warmup=25, rep=100, return_mode="median")
         t_fb = do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        peak = peak_above(fwd_bwd) / 2**20
         rows[name] = dict(
             fwd_ms=t_f, fwd_bwd_ms=t_fb, peak_mib=peak, gbps=floor_bytes / t_fb / 1e6, errors=err
         )

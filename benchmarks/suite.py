@@ -35,6 +35,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
+    sys.path.insert(0, HERE)
+from benchlib import peak_above  # noqa: E402
+
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
 
 
@@ -150,13 +154,7 @@ def measure_pattern(name, fn, liger_name, make, floor_bytes):
 
             t_f = do_bench(fwd, warmup=25, rep=100, return_mode="median")
             t_fb = do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fwd_bwd()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            peak = peak_above(fwd_bwd) / 2**20
             rows[impl] = dict(fwd_ms=t_f, bwd_ms=max(t_fb - t_f, 0.0), fwd_bwd_ms=t_fb, peak_mib=peak)
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
             traceback.print_exc()
@@ -195,8 +193,6 @@ MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager
 def build(shape, mode):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import kernelgraft
-
     s = SHAPES[shape]
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(s["arch"], max_position_embeddings=2 * s["S"], **s["cfg"])
@@ -210,9 +206,18 @@ def build(shape, mode):
         lin = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         lc = LoraConfig(r=16, lora_alpha=16, target_modules=lin)
         model = get_peft_model(model, lc)
+    return apply_mode(model, mode)
+
+
+def apply_mode(model, mode: str):
+    """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
+    ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW"), or Liger's patch (of a peft
+    model's base model)."""
     if mode == "torch.compile":
         model.compile()
-    elif mode.startswith("kernelgraft"):  # "kernelgraft", "kernelgraft (eager)", "... (bf16 dW)"
+    elif mode.startswith("kernelgraft"):
+        import kernelgraft
+
         acc = "weight" if "bf16 dW" in mode else "fp32"
         kernelgraft.optimize(
             model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc
@@ -220,7 +225,10 @@ def build(shape, mode):
     elif mode == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-        _apply_liger_kernel_to_instance(model=model.get_base_model() if s.get("lora") else model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+        _apply_liger_kernel_to_instance(model=base)
+    elif mode != "eager":
+        raise ValueError(f"unknown mode {mode!r}; one of {MODES} (or 'kernelgraft (... bf16 dW)')")
     return model
 
 
@@ -340,40 +348,46 @@ def loss_curves(steps=50):
 # ---- report ----------------------------------------------------------------------------------------
 
 
+def _table(L: list, title: str, head: list[str], entries: dict, key: str, faster, cells) -> None:
+    """One Markdown table: a row per implementation, its ratios to eager, torch.compile and Liger
+    (faster(own, peer) > 1 when it is faster) between its first cell and the rest; a failed entry
+    says so across the row."""
+    ref = {k: entries.get(k, {}).get(key) for k in ("eager", "torch.compile", "liger")}
+    L += [f"\n{title}\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n, v in entries.items():
+        if "error" in v:
+            L.append(f"| {n} | failed: {v['error'][:80]} |" + " |" * (len(head) - 2))
+            continue
+        first, *rest = cells(v)
+        rat = [f"{faster(v[key], ref[k]):.2f}x" if ref[k] else "-" for k in ref]
+        L.append(f"| {n} | {first} | {' | '.join(rat)} | {' | '.join(rest)} |")
+
+
 def markdown(doc) -> str:
     L = [f"Benchmark suite, bf16, {doc['gpu']}, {doc['date']}, {doc['versions']}\n"]
     for r in doc.get("patterns", []):
-        imp = r["impls"]
-        ref = {k: imp.get(k, {}).get("fwd_bwd_ms") for k in ("eager", "torch.compile", "liger")}
-        L += [
-            f"\n**{r['name']}** (memory floor, fwd+bwd: {r['floor_ms']:.3f} ms)\n",
-            "| impl | fwd ms | bwd ms | fwd+bwd ms | vs eager | vs compile | vs Liger | peak MiB |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for n, v in imp.items():
-            if "error" in v:
-                L.append(f"| {n} | failed: {v['error'][:80]} | | | | | | |")
-                continue
-            rat = [f"{ref[k] / v['fwd_bwd_ms']:.2f}x" if ref[k] else "-" for k in ref]
-            L.append(
-                f"| {n} | {v['fwd_ms']:.3f} | {v['bwd_ms']:.3f} | {v['fwd_bwd_ms']:.3f} | {' | '.join(rat)} | "
-                f"{v['peak_mib']:.0f} |"
-            )
+        _table(
+            L,
+            f"**{r['name']}** (memory floor, fwd+bwd: {r['floor_ms']:.3f} ms)",
+            ["impl", "fwd ms", "bwd ms", "fwd+bwd ms", "vs eager", "vs compile", "vs Liger", "peak MiB"],
+            r["impls"],
+            "fwd_bwd_ms",
+            lambda own, peer: peer / own,
+            lambda v: (
+                f"{v['fwd_ms']:.3f} | {v['bwd_ms']:.3f} | {v['fwd_bwd_ms']:.3f}",
+                f"{v['peak_mib']:.0f}",
+            ),
+        )
     for shape, modes in doc.get("steps", {}).items():
-        base = {k: modes.get(k, {}).get("tok_s") for k in ("eager", "torch.compile", "liger")}
-        L += [
-            f"\n**Training step, {shape}** (fwd + bwd, no optimizer)\n",
-            "| mode | tokens/s | vs eager | vs compile | vs Liger | peak GiB | first step s |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for m, v in modes.items():
-            if "error" in v:
-                L.append(f"| {m} | failed: {v['error'][:80]} | | | | | |")
-                continue
-            rat = [f"{v['tok_s'] / base[k]:.2f}x" if base[k] else "-" for k in base]
-            L.append(
-                f"| {m} | {v['tok_s']:,.0f} | {' | '.join(rat)} | {v['peak_gib']:.1f} | {v['first_step_s']:.1f} |"
-            )
+        _table(
+            L,
+            f"**Training step, {shape}** (fwd + bwd, no optimizer)",
+            ["mode", "tokens/s", "vs eager", "vs compile", "vs Liger", "peak GiB", "first step s"],
+            modes,
+            "tok_s",
+            lambda own, peer: own / peer,
+            lambda v: (f"{v['tok_s']:,.0f}", f"{v['peak_gib']:.1f}", f"{v['first_step_s']:.1f}"),
+        )
     for shape, modes in doc.get("steps", {}).items():
         prof = {m: v["profile"] for m, v in modes.items() if "profile" in v}
         if not prof:
@@ -533,7 +547,6 @@ def main(argv=None) -> int:
             doc["patterns"].append(measure_pattern(*case))
             save()
     if "lm_head" in parts:
-        sys.path.insert(0, HERE)
         import bench_lm_head
 
         doc["lm_head"] = [bench_lm_head.measure(*s) for s in bench_lm_head.SHAPES]

@@ -27,27 +27,10 @@ def wrap(model, how):
     return fully_shard(model)
 
 
-def grads(model, wrapped, b, truth=False):
-    from kernelgraft.gradcheck import Float64Everywhere
-
-    if truth:
-        with Float64Everywhere():
-            loss = wrapped(**b).loss
-    else:
-        loss = wrapped(**b).loss
-    loss.backward()
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        g = g.full_tensor() if hasattr(g, "full_tensor") else g  # FSDP2: a sharded DTensor
-        out[n] = g.detach().clone()
-    return loss.detach(), out
-
-
 def run(rank, world, how, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from tiny import batch, tiny_model
+    from tiny import batch, loss_and_grads, tiny_model
 
     import kernelgraft
     from kernelgraft.gradcheck import judge
@@ -56,9 +39,9 @@ def run(rank, world, how, port):
     truth = copy.deepcopy(stock).to(torch.float64)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     b = batch(seed=rank + 1)  # each rank its own data: the gradients are averaged over both
-    tl, tg = grads(truth, wrap(truth, how), b, truth=True)
-    el, eg = grads(stock, wrap(stock, how), b)
-    kl, kg = grads(mine, wrap(mine, how), b)
+    tl, tg = loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, how))
+    el, eg = loss_and_grads(stock, b, wrapped=wrap(stock, how))
+    kl, kg = loss_and_grads(mine, b, wrapped=wrap(mine, how))
     verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
     bad = [str(v) for v in verdicts if not v.ok]
     served = sum(r.replaced for r in mine.kernelgraft_report.sites)

@@ -50,16 +50,20 @@ def batch(seed: int = 1, B: int = 2, S: int = 12, device="cpu"):
     return dict(input_ids=ids, labels=ids)
 
 
-def loss_and_grads(model, b, truth: bool = False):
+def loss_and_grads(model, b, truth: bool = False, wrapped=None):
+    """The loss of `wrapped` (default: `model` itself; or e.g. DDP(model)) on batch b and the
+    gradients of `model`'s parameters, each whole (an FSDP2-sharded one gathered)."""
     model.zero_grad(set_to_none=True)
+    run = wrapped if wrapped is not None else model
     if truth:
         with Float64Everywhere():
-            loss = model(**b).loss
+            loss = run(**b).loss
     else:
-        loss = model(**b).loss
+        loss = run(**b).loss
     loss.backward()
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731 - FSDP2: a DTensor
     return loss.detach(), {
-        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None
     }
 
 

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import CGraph, CNode
+from . import rowkernel
 from .cache import load_module
 from .codegen import HEADER, _cse_lines
 from .derive import derive
-from .rowkernel import _pow2
+from .rowkernel import _pow2, record_failure, spelling_vjp
 from .spec import LOW, SERVED, Unsupported, build_spec
 from .sym import round_to
 
@@ -197,6 +198,7 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
     )
 
 
+@functools.cache
 def kernel_name(spelling, dtype: torch.dtype, rounding: str) -> str:
     return re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
 
@@ -356,39 +358,25 @@ class KernelFailed(Exception):
 
 
 def _failed(name: str, dev: torch.device, e: Exception) -> None:
-    import warnings
-
-    from .rowkernel import FAILED
-
-    key = (name, dev.type)
-    if key not in FAILED:
-        FAILED[key] = f"{type(e).__name__}: {e}"[:500]
-        warnings.warn(
-            f"kernelgraft: the generated kernel {name} failed on {dev.type} ({FAILED[key][:200]}). "
-            "Its LM-head sites run their stock PyTorch code from now on: same numbers as without "
-            "kernelgraft, and the full logits in memory again.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    record_failure(
+        name,
+        dev,
+        e,
+        "Its LM-head sites run their stock PyTorch code from now on: same numbers as without "
+        "kernelgraft, and the full logits in memory again.",
+    )
 
 
 def reference(spelling, named: dict, needs_h: bool, needs_w: bool, grad_scale: float = 1.0) -> tuple:
     """(loss, dh, dW) from the spelling itself (the stock code, full logits): the path of a kernel
-    that failed. torch.func.vjp, not autograd: inside a custom op's implementation autograd does
-    not record."""
+    that failed."""
     named = dict(named, ignore_index=int(named["ignore_index"]))  # the op's schema carries it as a float
     h, W = named["h"], named["weight"]
     diff = [n for n, need in (("h", needs_h), ("weight", needs_w)) if need]
-
-    def f(*ts):
-        call = dict(named, **dict(zip(diff, ts)))
-        return spelling.fn(*(call[a] for a in spelling.arg_names))
-
     if not diff:
         with torch.no_grad():
-            return f(), h.new_empty(0), W.new_empty(0)
-    loss, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
-    got = dict(zip(diff, vjp(torch.full_like(loss, grad_scale))))
+            return spelling.fn(*(named[a] for a in spelling.arg_names)), h.new_empty(0), W.new_empty(0)
+    loss, got = spelling_vjp(spelling, named, diff, lambda y: torch.full_like(y, grad_scale))
     return loss, got.get("h", h.new_empty(0)), got.get("weight", W.new_empty(0))
 
 
@@ -466,10 +454,8 @@ def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
 
     def run(args, grad_scale=1.0):
         named, needs_h, needs_w, chunk, accumulate = unpack(args)
-        from .rowkernel import FAILED
-
         W = named["weight"]
-        if (kernel_name(sp, W.dtype, rounding), W.device.type) in FAILED:
+        if rowkernel.FAILED and (kernel_name(sp, W.dtype, rounding), W.device.type) in rowkernel.FAILED:
             return reference(sp, named, needs_h, needs_w, grad_scale)
         try:
             return fused(named, needs_h, needs_w, chunk, accumulate, grad_scale)

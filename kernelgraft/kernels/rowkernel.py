@@ -490,19 +490,29 @@ def dev_type(groups: list[_Group]) -> str:
     return next(iter(groups[0].tensors.values())).device.type
 
 
-def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:
+def record_failure(name: str, dev: torch.device, e: Exception, consequence: str) -> None:
+    """Record a generated kernel that failed to load, compile or launch (FAILED), and warn once."""
     import warnings
 
-    key = (k.spec.name, dev.type)
+    key = (name, dev.type)
     if key not in FAILED:
         FAILED[key] = f"{type(e).__name__}: {e}"[:500]
         warnings.warn(
-            f"kernelgraft: the generated kernel {k.spec.name} failed on {dev.type} ({FAILED[key][:200]}). "
-            "Its sites run their stock PyTorch code from now on: same numbers as without kernelgraft, "
-            f"without the speed-up. Generated source: {k.path}",
+            f"kernelgraft: the generated kernel {name} failed on {dev.type} ({FAILED[key][:200]}). "
+            f"{consequence}",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:
+    record_failure(
+        k.spec.name,
+        dev,
+        e,
+        "Its sites run their stock PyTorch code from now on: same numbers as without kernelgraft, "
+        f"without the speed-up. Generated source: {k.path}",
+    )
 
 
 def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -513,22 +523,25 @@ def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tenso
     return out, torch.empty((*out.shape[:-1], K), dtype=torch.float32, device=out.device)
 
 
-def _reference_backward(spelling, grad: torch.Tensor, args: tuple, needs: list[bool]) -> list[torch.Tensor]:
-    """The spelling's own gradients, in the launcher's return layout. torch.func.vjp, not
-    autograd: inside a custom op's implementation autograd does not record."""
-    names = [n for n in spelling.arg_names if n in spelling.tensor_names]
-    named = dict(zip(spelling.arg_names, args))
-    diff = [n for n, need in zip(names, needs) if need and named[n].is_floating_point()]
+def spelling_vjp(spelling, named: dict, diff: list[str], cotangent) -> tuple[torch.Tensor, dict]:
+    """The spelling's output on the named arguments and its gradients for those named in `diff`,
+    for the incoming gradient `cotangent(output)`. torch.func.vjp, not autograd: inside a custom
+    op's implementation autograd does not record."""
 
     def f(*ts):
         call = dict(named, **dict(zip(diff, ts)))
         return spelling.fn(*(call[a] for a in spelling.arg_names))
 
-    if diff:
-        y, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
-        got = dict(zip(diff, vjp(grad.to(y.dtype))))
-    else:
-        got = {}
+    y, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
+    return y, dict(zip(diff, vjp(cotangent(y))))
+
+
+def _reference_backward(spelling, grad: torch.Tensor, args: tuple, needs: list[bool]) -> list[torch.Tensor]:
+    """The spelling's own gradients, in the launcher's return layout."""
+    names = [n for n in spelling.arg_names if n in spelling.tensor_names]
+    named = dict(zip(spelling.arg_names, args))
+    diff = [n for n, need in zip(names, needs) if need and named[n].is_floating_point()]
+    got = spelling_vjp(spelling, named, diff, lambda y: grad.to(y.dtype))[1] if diff else {}
     out = []
     for n, need in zip(names, needs):
         t = named[n]

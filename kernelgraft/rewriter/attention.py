@@ -20,10 +20,9 @@ Then the call gets `attn_mask=None, is_causal=True`; the mask's producers become
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .report import SiteRecord
 
@@ -99,12 +98,7 @@ def _evaluate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> torch.Ten
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[nodes[-1]])
     sub = torch.fx.GraphModule(gm, g)
-    fake_off = contextlib.nullcontext()
-    with contextlib.suppress(Exception):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        fake_off = unset_fake_temporarily()
-    with fake_off, torch.no_grad():
+    with unset_fake_temporarily(), torch.no_grad():  # real values, even inside a fake-tensor trace
         return sub()
 
 

@@ -227,6 +227,23 @@ def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
     return max(1, min(chunk, max(T, 1)))
 
 
+# A chunk has at least this many tokens (or all of them): with fewer rows its matmuls take the CPU
+# BLAS's matrix-vector paths, which sum the vocabulary terms less accurately (fp32, 1-3 rows: 2-3x
+# the error of the same product in a 4-row or larger matmul, measured), so dh lost to eager's.
+MIN_ROWS = 8
+
+
+def chunk_bounds(T: int, C: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of C tokens; none shorter than MIN_ROWS (a short last chunk joins
+    the one before it)."""
+    C = max(C, min(T, MIN_ROWS))
+    bounds = [(s, min(s + C, T)) for s in range(0, T, C)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < MIN_ROWS:
+        bounds.pop()
+        bounds[-1] = (bounds[-1][0], T)
+    return bounds
+
+
 CE_CONFIG = {"cuda": (4096, 4), "cpu": (8192, 4)}  # (BLOCK_V, num_warps); cuda: tuned on an H200
 
 
@@ -311,15 +328,15 @@ def forward(
     )
     C = chunk_tokens(T, V, W.element_size(), chunk)
     BV, warps = _ce_config(V, dev)
-    for c0 in range(0, T, C):
-        hc = h2[c0 : c0 + C]
+    for c0, c1 in chunk_bounds(T, C):
+        hc = h2[c0:c1]
         z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
         try:
             fn[(hc.shape[0],)](
                 z,
                 z.stride(0),
-                t[c0 : c0 + C],
-                losses[c0 : c0 + C],
+                t[c0:c1],
+                losses[c0:c1],
                 scale,
                 *scalars,
                 V,
@@ -332,7 +349,7 @@ def forward(
             _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
             raise KernelFailed from e
         if needs_h:
-            torch.mm(z, W, out=dh[c0 : c0 + C])
+            torch.mm(z, W, out=dh[c0:c1])
         if needs_w:
             beta = 0.0 if c0 == 0 else 1.0  # the first chunk writes dW without reading it
             if acc32 and dev.type == "cuda":

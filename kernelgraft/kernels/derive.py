@@ -43,8 +43,9 @@ def _permute(e, spec: Spec):
     return e.xreplace(subs)
 
 
-def _local_derivatives(n) -> list:
-    """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1)."""
+def _local_derivatives(n, device: str = "cpu") -> list:
+    """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1).
+    device: whose eager kernels' rounding to reproduce where they differ (tanh, below)."""
     if n.reduce is not None:
         return [None]  # handled as the adjoint of a sum
     # PyTorch differentiates these from their saved output y, not the input: where y is held in
@@ -52,7 +53,15 @@ def _local_derivatives(n) -> list:
     # derivative is taken without the 1 - y^2 cancellation (more accurate where it saturates)
     y = n.value
     if n.op == "tanh":
-        return [1 - y**2 if n.dtype in LOW else Sech2(n.inputs[0].value)]
+        if n.dtype not in LOW:
+            return [Sech2(n.inputs[0].value)]
+        if device == "cuda":
+            # CUDA's tanh_backward for bf16/fp16 is `a * (scalar_t{1.} - b * b)` in c10's 2-byte
+            # arithmetic: y*y and 1 - y*y are each rounded to the dtype (the CPU's vectorized kernel
+            # computes in float32 and rounds once). Found by the H200 thorough profile (softcap).
+            low = LOW[n.dtype]
+            return [round_to(1 - round_to(y**2, low), low)]
+        return [1 - y**2]
     if n.op == "sigmoid":
         return [y * (1 - y)]
     if n.op == "exp":
@@ -63,7 +72,9 @@ def _local_derivatives(n) -> list:
     return [sympy.diff(f, u).subs(subs) for u in us]
 
 
-def derive(spec: Spec) -> Backward:
+def derive(spec: Spec, device: str = "cpu") -> Backward:
+    """device: 'cuda' reproduces CUDA eager's rounding where it differs from the CPU's (tanh's
+    backward in bf16/fp16); with rounding='fused' it changes nothing."""
     g = sympy.Symbol("g")
     fused = spec.rounding == "fused"
 
@@ -105,7 +116,7 @@ def derive(spec: Spec) -> Backward:
             c = G / spec.N if n.reduce == "mean" else G
             contrib.setdefault(id(s), []).append((_round(c, n.dtype), "row"))
             continue
-        for inp, d in zip(n.inputs, _local_derivatives(n)):
+        for inp, d in zip(n.inputs, _local_derivatives(n, "cpu" if fused else device)):
             if inp.level == "scalar" or d == 0:
                 continue
             c = G * d

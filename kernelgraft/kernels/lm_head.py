@@ -125,13 +125,15 @@ def _transform_graph(spelling) -> tuple[CGraph, list[str]]:
 
 
 @functools.cache
-def transform(spelling, dtype: torch.dtype, rounding: str) -> Transform:
+def transform(spelling, dtype: torch.dtype, rounding: str, device: str = "cpu") -> Transform:
+    """The logit transform and its gradient. device: whose eager rounding the gradient reproduces
+    where CPU and CUDA kernels differ (see rounds_as)."""
     graph, scalars = _transform_graph(spelling)
     ts = _TransformSpelling(spelling, graph, scalars)
     spec = build_spec(ts, {"x": dtype}, {"x": "elem"}, rounding)
     if spec.reductions:
         raise Unsupported("the logit transform reduces along the vocabulary")
-    bwd = derive(spec)
+    bwd = derive(spec, device)
     y = round_to(spec.output, LOW.get(spec.out_dtype, "float32"))
     dx = round_to(bwd.grads["v_x"], LOW.get(dtype, "float32"))
     fl, (fe,) = _cse_lines([y], "f", "    ")
@@ -203,9 +205,17 @@ def kernel_name(spelling, dtype: torch.dtype, rounding: str) -> str:
     return re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
 
 
+def rounds_as(device_type: str) -> str:
+    """Whose eager rounding a kernel running on `device_type` reproduces: CUDA's and the CPU's
+    elementwise backward kernels round differently in places (derive._local_derivatives: tanh)."""
+    return "cuda" if device_type == "cuda" else "cpu"
+
+
 @functools.cache
-def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str):
-    tf = transform(spelling, dtype, rounding)
+def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str, rounds: str | None = None):
+    """The CE kernel for `device_type` (the interpreter's on the CPU); rounds: whose eager rounding
+    it reproduces, rounds_as(device_type) unless given (a CPU test of CUDA's rounding)."""
+    tf = transform(spelling, dtype, rounding, rounds or rounds_as(device_type))
     name = kernel_name(spelling, dtype, rounding)
     src = kernel_source(name, tf, spelling.qualname)
     mod, _ = load_module(name, src, interpret=device_type == "cpu")

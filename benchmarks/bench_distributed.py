@@ -214,7 +214,12 @@ def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
     out = measure(wrapped, ids, a.steps, dev)
     out.update(rank=rank, world_size=world, tokens=ids.numel(), dynamo=dynamo_counts())
     if hasattr(model, "kernelgraft_report"):
-        out["sites"] = model.kernelgraft_report.counts()
+        rep = model.kernelgraft_report
+        out["sites"] = rep.counts()
+        # attention masks checked at run time (rewriter/attention.py): [causal, not causal] verdicts
+        out["mask_checks"] = [sum(c.runs[i] for c in rep.mask_checks) for i in (0, 1)]
+        out["masks_kept"] = len(rep.masks_kept)
+        out["graphs"] = rep.graphs
     if rank == 0:
         out["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         out["versions"] = ", ".join(f"{p} {version(p)}" for p in ("torch", "triton", "transformers"))

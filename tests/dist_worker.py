@@ -19,7 +19,11 @@ def wrap(model, how):
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        # small buckets: dynamo's DDPOptimizer splits the graph at them, as it does a real model's
+        # (the mask then crosses from the first piece into the others as an input). The tiny model
+        # (0.3 MB) is below DDPOptimizer's first bucket (1 MiB, which no bucket may undercut): lowered
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 16 * 1024
+        return DistributedDataParallel(model, bucket_cap_mb=0.05)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
@@ -30,9 +34,14 @@ def wrap(model, how):
 def run(rank, world, how, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    import transformers.masking_utils as mu
     from tiny import batch, loss_and_grads, tiny_model
 
     import kernelgraft
+
+    # build the causal mask under compile, as transformers 5.17 does (5.24 skips it): the attention
+    # calls then carry a mask that reaches DDP's later pieces and FSDP2's layer graphs as an input
+    mu._ignore_causal_mask_sdpa = lambda *a, **k: False
     from kernelgraft.gradcheck import judge
 
     stock = tiny_model("llama")
@@ -44,8 +53,13 @@ def run(rank, world, how, port):
     kl, kg = loss_and_grads(mine, b, wrapped=wrap(mine, how))
     verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
     bad = [str(v) for v in verdicts if not v.ok]
-    served = sum(r.replaced for r in mine.kernelgraft_report.sites)
-    line = f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {len(verdicts)} served {served}\n"
+    rep = mine.kernelgraft_report
+    served = sum(r.replaced for r in rep.sites)
+    causal = sum(c.runs[0] for c in rep.mask_checks)
+    line = (
+        f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {len(verdicts)} served {served} "
+        f"sdpa {rep.counts().get('sdpa', 0)} graphs {rep.graphs} checked causal {causal}\n"
+    )
     # one write of the whole line: the two ranks share the pipe, and print() writes the text and its
     # newline separately (seen interleaved as "...served 12rank 0 ok ...")
     os.write(sys.stdout.fileno(), line.encode())

@@ -42,6 +42,23 @@ class Attn(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
 
+class MaskIn(torch.nn.Module):
+    """The mask comes in (as it does to a DDP piece or an FSDP2 layer graph), sliced as HF's
+    attention slices it."""
+
+    def forward(self, q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, :, :, : k.shape[-2]])
+
+
+def masks(L=9, B=2):
+    tril = torch.ones(L, L, dtype=torch.bool).tril()
+    causal = torch.zeros(B, 1, L, L).masked_fill(~tril, float("-inf"))
+    padded = causal.clone()
+    padded[1, :, :, 6:] = float("-inf")  # the second sequence's last 3 positions are padding
+    padded[1, :, 6:, :] = 0.0  # (their own rows attend everywhere: no row is fully masked)
+    return causal, padded
+
+
 def qkv(B=2, H=2, L=9, Lk=None, D=8, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, L, D, generator=g).to(dtype).requires_grad_()
@@ -80,21 +97,57 @@ def test_a_causal_mask_built_from_the_shapes_becomes_is_causal(kind):
 
 @pytest.mark.parametrize(
     "kind,why",
-    [("window", "not the lower triangle"), ("upper", "not the lower triangle"), ("padded", "placeholder")],
+    [("window", "not the lower triangle"), ("upper", "not the lower triangle")],
 )
 def test_other_masks_are_kept_with_the_reason(kind, why):
     stock = Attn(kind)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     args = qkv()
-    if kind == "padded":
-        pad = torch.ones(2, 9)
-        pad[1, 6:] = 0
-        args = (*args, pad)
     assert_as_stock(stock, mine, args)
     rep = mine.kernelgraft_report
     assert "sdpa" not in rep.counts()
     assert [r.pattern for r in rep.masks_kept] == ["sdpa"] and why in rep.masks_kept[0].reason, str(rep)
     assert "attention masks kept as written (1):" in str(rep) and not rep.fallbacks
+
+
+def test_a_padded_mask_built_from_an_input_runs_as_written():
+    # reads the `pad` input: checked at run time; with padding it is not causal, the call runs as written
+    stock = Attn("padded")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    pad = torch.ones(2, 9)
+    pad[1, 6:] = 0
+    assert_as_stock(stock, mine, (*qkv(), pad))
+    rep = mine.kernelgraft_report
+    assert [c.runs for c in rep.mask_checks] == [[0, 1]], str(rep)
+    assert "causal in 0 of 1 checks" in str(rep)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_mask_read_from_the_inputs_is_checked_at_run_time(backend, monkeypatch):
+    import kernelgraft.rewriter.attention as attention
+
+    evaluated = []
+    real = attention.is_causal_mask
+    monkeypatch.setattr(attention, "is_causal_mask", lambda m, *a: evaluated.append(1) or real(m, *a))
+    stock = MaskIn()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
+    causal, padded = masks()
+    args = qkv()
+    assert_as_stock(stock, mine, (*args, causal))
+    rep = mine.kernelgraft_report
+    assert [(s.pattern, s.spelling) for s in rep.sites] == [("sdpa", "causal_mask_checked")], str(rep)
+    (check,) = rep.mask_checks
+    assert check.runs == [1, 0] and len(evaluated) == 1
+    # the same tensor, unchanged: the verdict is kept (one check per forward, whatever the graphs)
+    mine(*args, causal)
+    assert check.runs == [2, 0] and len(evaluated) == 1
+    # padding: not causal, the graph with its mask as written runs (compiled now)
+    assert_as_stock(stock, mine, (*args, padded))
+    assert check.runs == [2, 1] and len(evaluated) == 2
+    # the causal tensor written in place (its version changes): checked again, found padded, exact
+    causal.copy_(padded)
+    assert_as_stock(stock, mine, (*args, causal))
+    assert check.runs == [2, 2] and len(evaluated) == 3
 
 
 def test_query_and_key_of_different_lengths_keep_their_mask():

@@ -16,9 +16,24 @@ The proof, per SDPA call (nothing is assumed about how the mask was spelled):
      lower triangle and at most the dtype's most negative finite value / 2 above it (or -inf), the
      same probabilities after softmax's exp (no row is fully masked).
 Then the call gets `attn_mask=None, is_causal=True`; the mask's producers become dead code.
+
+A mask that reads graph inputs cannot be proven on the graph: it is checked at run time instead.
+That is the case wherever the mask crosses a graph boundary: DDP's compiled graph is split at its
+gradient buckets (the mask is made in the first piece and passed to the others), FSDP2 captures one
+graph per decoder layer (the mask arrives as an input), and a mask built from the batch's own
+`attention_mask` reads that input. When the producers read graph inputs (tensors) and nothing else
+impure, and the sizes are static, the call is rewritten as above, and the backend (backend.py) runs
+the graph only after `MaskCheck.holds` has evaluated the mask from those inputs and found it equal to
+the causal mask (one device synchronization; the verdict is kept for the same input tensors while
+they live and are not written to: one check per forward, shared by every graph the mask reaches).
+When a mask is not causal (padding), that call runs a copy of the graph with its masks as written,
+compiled on first need: exact either way.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -28,12 +43,19 @@ from .report import SiteRecord
 
 PATTERN = "sdpa"
 SPELLING = "causal_mask"
+CHECKED = "causal_mask_checked"  # the spelling of a site whose mask is checked at run time
+META = "kernelgraft_mask_checks"  # gm.meta key: the MaskChecks the graph's rewrite relies on
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "empty")
 
 
 def _is_sdpa(n: torch.fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "__name__", "") == "scaled_dot_product_attention"
+
+
+def has_masks(gm: torch.fx.GraphModule) -> bool:
+    """Whether any SDPA call of the graph is given a mask (the only calls make_causal may edit)."""
+    return any(_is_sdpa(n) and isinstance(_arg(n, "attn_mask"), torch.fx.Node) for n in gm.graph.nodes)
 
 
 def _arg(n: torch.fx.Node, name: str, default=None):
@@ -69,15 +91,20 @@ def _impure(n: torch.fx.Node, name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")  # Tensor.masked_fill_, aten add_, ...
 
 
-def _slice(mask: torch.fx.Node) -> list[torch.fx.Node] | str:
-    """The mask's producers in graph order, or why they are not a function of constants alone."""
+def _slice(mask: torch.fx.Node, inputs_ok: bool = False) -> tuple[list, list] | str:
+    """(the mask's producers in graph order, the graph inputs they read), or why they are not a
+    pure function of constants (and, with inputs_ok, of tensor inputs)."""
     seen: set = set()
+    inputs: set = set()
     stack = [mask]
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
+        if n.op == "placeholder" and inputs_ok and isinstance(_value(n), torch.Tensor):
+            inputs.add(n)
+            continue
         if n.op in ("placeholder", "get_attr"):
             return f"the mask reads {n.op} `{n.target}`"
         name = str(getattr(n.target, "__name__", n.target))
@@ -88,18 +115,23 @@ def _slice(mask: torch.fx.Node) -> list[torch.fx.Node] | str:
         if any(type(_value(a)) is torch.SymInt for a in n.all_input_nodes):
             return "the mask depends on symbolic sizes"
         stack.extend(n.all_input_nodes)
-    return [n for n in mask.graph.nodes if n in seen]
+    order = list(mask.graph.nodes)
+    return [n for n in order if n in seen and n not in inputs], [n for n in order if n in inputs]
+
+
+def _subgraph(nodes: list, inputs: list, out: torch.fx.Node) -> torch.fx.GraphModule:
+    """inputs -> out, a graph of its own (nodes: out's producers in graph order)."""
+    g = torch.fx.Graph()
+    env: dict = {n: g.placeholder(f"in{i}") for i, n in enumerate(inputs)}
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[out])
+    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 def _evaluate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> torch.Tensor:
-    g = torch.fx.Graph()
-    env: dict = {}
-    for n in nodes:
-        env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[nodes[-1]])
-    sub = torch.fx.GraphModule(gm, g)
     with unset_fake_temporarily(), torch.no_grad():  # real values, even inside a fake-tensor trace
-        return sub()
+        return _subgraph(nodes, [], nodes[-1])()
 
 
 def causal_verdict(m: torch.Tensor, lq: int, lk: int) -> str | None:
@@ -122,10 +154,64 @@ def causal_verdict(m: torch.Tensor, lq: int, lk: int) -> str | None:
     return "the additive mask is not 0 on the lower triangle and -inf above it"
 
 
-def make_causal(gm: torch.fx.GraphModule, *, edit: bool = True) -> tuple[list[SiteRecord], list[SiteRecord]]:
+def is_causal_mask(m: torch.Tensor, lq: int, lk: int) -> bool:
+    """causal_verdict(m, lq, lk) is None, decided on m's device with one synchronization."""
+    if lq != lk or m.dim() < 2 or tuple(m.shape[-2:]) != (lq, lk):
+        return False
+    tril = torch.ones(lq, lk, dtype=torch.bool, device=m.device).tril()
+    if m.dtype == torch.bool:
+        return bool((m == tril).all())
+    if not m.dtype.is_floating_point:
+        return False
+    return bool(torch.where(tril, m == 0, m <= torch.finfo(m.dtype).min / 2).all())
+
+
+# verdicts of MaskCheck.holds: (ids of the input tensors, check key) -> (weak refs, versions, verdict)
+_VERDICTS: dict = {}
+_MAX_VERDICTS = 64
+
+
+@dataclass
+class MaskCheck:
+    """A mask read from graph inputs: `holds(args)` evaluates it from the graph's run-time arguments
+    and tells whether it is the causal mask of (lq, lk)."""
+
+    inputs: tuple  # positions of the graph inputs the mask reads
+    fn: torch.fx.GraphModule  # those inputs -> the mask
+    lq: int
+    lk: int
+    key: str = ""  # equal keys: the same function of the same inputs (a verdict is shared)
+    runs: list = field(default_factory=lambda: [0, 0])  # [causal, not causal]
+
+    def __post_init__(self):
+        self.key = self.key or f"{self.lq}x{self.lk}\n{self.fn.code}"
+
+    def holds(self, args) -> bool:
+        ts = [args[i] for i in self.inputs]
+        ids = (tuple(id(t) for t in ts), self.key)
+        cacheable = not any(t.is_inference() for t in ts)  # inference tensors have no version counter
+        hit = _VERDICTS.get(ids) if cacheable else None
+        if hit and all(r() is t for r, t in zip(hit[0], ts)) and hit[1] == tuple(t._version for t in ts):
+            ok = hit[2]
+        else:
+            with torch.no_grad():
+                ok = is_causal_mask(self.fn(*ts), self.lq, self.lk)
+            if cacheable:
+                if len(_VERDICTS) >= _MAX_VERDICTS:
+                    _VERDICTS.clear()
+                _VERDICTS[ids] = (tuple(weakref.ref(t) for t in ts), tuple(t._version for t in ts), ok)
+        self.runs[0 if ok else 1] += 1
+        return ok
+
+
+def make_causal(
+    gm: torch.fx.GraphModule, *, edit: bool = True, runtime: bool = False
+) -> tuple[list[SiteRecord], list[SiteRecord]]:
     """Rewrite every SDPA call whose mask is proven causal -> (rewritten sites, SDPA calls with a mask
-    left as they are, with why)."""
-    done, kept = [], []
+    left as they are, with why). runtime=True also rewrites the calls whose mask reads graph inputs;
+    their MaskChecks go to gm.meta[META], for the backend to run before the graph."""
+    done, kept, checks = [], [], []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in list(gm.graph.nodes):
         if not _is_sdpa(n):
             continue
@@ -137,13 +223,20 @@ def make_causal(gm: torch.fx.GraphModule, *, edit: bool = True) -> tuple[list[Si
         why = None
         if q is None or k is None:
             why = "query or key has symbolic sizes"
+        elif q[-2] != k[-2]:
+            why = f"query length {q[-2]} != key length {k[-2]}"
         else:
-            nodes = _slice(mask)
-            if isinstance(nodes, str):
-                why = nodes
+            found = _slice(mask, inputs_ok=runtime)
+            if isinstance(found, str):
+                why = found
+            elif found[1]:  # reads graph inputs: checked at run time
+                nodes, inputs = found
+                idx = tuple(placeholders.index(p) for p in inputs)
+                checks.append(MaskCheck(idx, _subgraph(nodes, inputs, mask), q[-2], k[-2]))
+                rec.spelling = CHECKED
             else:
                 try:
-                    why = causal_verdict(_evaluate(gm, nodes), q[-2], k[-2])
+                    why = causal_verdict(_evaluate(gm, found[0]), q[-2], k[-2])
                 except Exception as e:  # noqa: BLE001 - a mask we cannot evaluate is left as it is
                     why = f"the mask could not be evaluated ({type(e).__name__}: {e})"[:200]
         if why:
@@ -161,6 +254,9 @@ def make_causal(gm: torch.fx.GraphModule, *, edit: bool = True) -> tuple[list[Si
                 else:
                     kwargs[name] = v
             n.args, n.kwargs = tuple(args), kwargs
+    if edit and checks:
+        unique = {c.key + repr(c.inputs): c for c in checks}  # q's and k's layers share one mask
+        gm.meta[META] = list(unique.values())
     if done and edit:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()

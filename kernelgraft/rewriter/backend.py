@@ -4,8 +4,12 @@ then hands the rewritten graph to inductor (default) or runs it as is ("eager").
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 
+from . import attention
 from .replace import graft
 from .report import RewriteReport
 
@@ -46,26 +50,70 @@ class Grafter:
         self.report = RewriteReport()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        # a copy of the graph as captured, for the calls whose masks fail their run-time check
+        checking = not self.dry_run and self.options.get("causal_attention", True) is True
+        stock = _graph_copy(gm) if checking and attention.has_masks(gm) else None
+        rep = graft(gm, self.spellings, dry_run=self.dry_run, rounding=self._rounding(), options=self.options)
+        self.report.extend(rep, frame=_frame_id())
+        compiled = self._lower(gm, example_inputs)
+        checks = gm.meta.pop(attention.META, None)
+        if not checks:
+            return compiled
+        self.report.mask_checks += checks
+        return MaskChecked(checks, compiled, functools.partial(self._fallback, stock))
+
+    def _rounding(self) -> str:
         # the kernels round as the code around them will: eager's per-op rounding, or inductor's fused one
-        rounding = "fused" if self.backend == "inductor" else "autograd"
-        self.report.extend(
-            graft(gm, self.spellings, dry_run=self.dry_run, rounding=rounding, options=self.options),
-            frame=_frame_id(),
-        )
+        return "fused" if self.backend == "inductor" else "autograd"
+
+    def _lower(self, gm, example_inputs):
         if self.backend == "inductor" and not self.dry_run:
             from torch._inductor.compile_fx import compile_fx
 
             return compile_fx(gm, example_inputs)
         return gm.forward
 
+    def _fallback(self, stock: torch.fx.GraphModule, args):
+        """The graph with its masks as written (those proven on the graph still rewritten), lowered
+        with the arguments of the call that needs it (the graph's sizes are static)."""
+        opts = {**self.options, "causal_attention": "static"}
+        graft(stock, self.spellings, rounding=self._rounding(), options=opts)
+        return self._lower(stock, list(args))
+
+
+class MaskChecked:
+    """A compiled graph whose attention calls run with is_causal=True on the condition that their
+    masks, read from the graph's inputs, are causal (attention.MaskCheck): each call checks them and
+    runs the compiled graph, or else the graph with its masks as written (compiled on first need)."""
+
+    def __init__(self, checks, compiled, make_fallback):
+        self.checks, self.compiled, self.make_fallback = checks, compiled, make_fallback
+        self.fallback = None
+
+    def __call__(self, *args):
+        if all(c.holds(args) for c in self.checks):
+            return self.compiled(*args)
+        if self.fallback is None:
+            self.fallback = self.make_fallback(args)
+        return self.fallback(*args)
+
+
+def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """gm's graph copied (nodes and their meta), sharing gm's attributes."""
+    out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
+    return out
+
 
 def _frame_id():
-    """Dynamo's id of the frame being compiled (the same across its recompiles), if it tells."""
+    """(dynamo's id of the frame being compiled, the number of this compile of it), if it tells."""
     try:
         from torch._guards import CompileContext
 
         cid = CompileContext.current_compile_id()
-        return getattr(cid, "frame_id", None)
+        if getattr(cid, "frame_id", None) is None:
+            return None
+        return (cid.frame_id, getattr(cid, "frame_compile_id", None))
     except Exception:  # noqa: BLE001 - older/newer torch without it: every capture counts
         return None
 

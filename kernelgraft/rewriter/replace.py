@@ -209,7 +209,9 @@ def graft(
     options = options or {}
     rep = RewriteReport(graphs=1)
     if options.get("causal_attention", True):  # before canonicalize: it edits the fx graph itself
-        done, kept = make_causal(gm, edit=not dry_run)
+        # True: masks read from graph inputs too, checked at run time (the backend runs the checks);
+        # "static": only masks proven on the graph (the graph a failed check falls back to)
+        done, kept = make_causal(gm, edit=not dry_run, runtime=options.get("causal_attention", True) is True)
         rep.sites += done
         rep.masks_kept += kept
     cg: CGraph = canonicalize(gm.graph)

@@ -16,7 +16,7 @@ class SiteRecord:
     scalars: dict  # captured Scalar arguments, e.g. {'eps': 1e-06}
     replaced: bool = True
     reason: str = ""  # why it fell back, when it did
-    graph: int = 0
+    graph: object = 0  # the capture: (dynamo frame id, compile number) where dynamo tells
     paired: bool = False  # served by one launch together with a sibling site (q and k of a layer)
     withheld: list = field(default_factory=list)  # values the graph returned that the kernel never made
 
@@ -42,7 +42,7 @@ class NearMiss:
     expected: str  # the pattern node where it differed
     found: str  # the model node there
     reason: str
-    graph: int = 0
+    graph: object = 0  # the capture: (dynamo frame id, compile number) where dynamo tells
 
     def __str__(self) -> str:
         return (
@@ -62,6 +62,8 @@ class RewriteReport:
     # they run as written; the reason says why (rewriter/attention.py)
     masks_kept: list[SiteRecord] = field(default_factory=list)
     graphs: int = 0  # captures seen, recompiles included
+    # masks read from graph inputs, checked at run time (attention.MaskCheck: counts of its verdicts)
+    mask_checks: list = field(default_factory=list, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:
         """Pattern name -> number of sites replaced."""
@@ -72,13 +74,16 @@ class RewriteReport:
         return len(self.sites) - sum(s.paired for s in self.sites) // 2
 
     def extend(self, other: RewriteReport, frame=None) -> None:
-        """Add one capture's records. A recapture of the same dynamo frame (a recompile: new shapes,
-        new guards) replaces that frame's records, so counts() describe the code that runs now."""
+        """Add one capture's records. frame: (dynamo's frame id, its compile number). A recapture of
+        the same frame (a recompile: new shapes, new guards) replaces that frame's records, so
+        counts() describe the code that runs now; graphs of one compile (DDP's graph split at its
+        buckets, each piece handed to the backend) add up."""
         if frame is not None:
-            self.sites = [r for r in self.sites if r.graph != frame]
-            self.fallbacks = [r for r in self.fallbacks if r.graph != frame]
-            self.near_misses = [r for r in self.near_misses if r.graph != frame]
-            self.masks_kept = [r for r in self.masks_kept if r.graph != frame]
+            stale = lambda r: isinstance(r.graph, tuple) and r.graph[0] == frame[0] and r.graph != frame
+            self.sites = [r for r in self.sites if not stale(r)]
+            self.fallbacks = [r for r in self.fallbacks if not stale(r)]
+            self.near_misses = [r for r in self.near_misses if not stale(r)]
+            self.masks_kept = [r for r in self.masks_kept if not stale(r)]
         key = frame if frame is not None else self.graphs
         for r in other.sites + other.fallbacks + other.near_misses + other.masks_kept:
             r.graph = key
@@ -98,6 +103,12 @@ class RewriteReport:
         if self.near_misses:
             out.append(f"near misses ({len(self.near_misses)}):")
             out += [f"  - {m}" for m in self.near_misses]
+        if self.mask_checks:
+            yes, no = (sum(c.runs[i] for c in self.mask_checks) for i in (0, 1))
+            out.append(
+                f"attention masks read from graph inputs, checked at run time: {len(self.mask_checks)} "
+                f"(causal in {yes} of {yes + no} checks; a mask that is not runs as written)"
+            )
         if self.masks_kept:
             out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
             out += [f"  - {r.module}: {r.reason}" for r in self.masks_kept]

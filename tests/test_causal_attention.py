@@ -150,6 +150,27 @@ def test_a_mask_read_from_the_inputs_is_checked_at_run_time(backend, monkeypatch
     assert check.runs == [2, 2] and len(evaluated) == 3
 
 
+def test_a_trace_on_fake_tensors_checks_nothing():
+    # DDP's graph splitter (torch 2.11) runs every compiled piece on fake tensors to propagate shapes:
+    # the check has no values to read there (it failed on the H200 with _local_scalar_dense)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernelgraft.rewriter.attention import MaskCheck
+    from kernelgraft.rewriter.backend import MaskChecked
+
+    g = torch.fx.Graph()
+    g.output(g.placeholder("m"))
+    calls = []
+    check = MaskCheck((0,), torch.fx.GraphModule(torch.nn.Module(), g), 9, 9)
+    wrapped = MaskChecked([check], lambda *a: calls.append("causal") or a[0], lambda args: None)
+    causal, _ = masks()
+    with FakeTensorMode() as mode:
+        out = wrapped(mode.from_tensor(causal))
+    assert calls == ["causal"] and check.runs == [0, 0] and tuple(out.shape) == tuple(causal.shape)
+    wrapped(causal)  # a run: checked
+    assert calls == ["causal", "causal"] and check.runs == [1, 0]
+
+
 def test_query_and_key_of_different_lengths_keep_their_mask():
     # SDPA's is_causal aligns the triangle to the top left; a mask aligned to the bottom right differs
     stock = Attn("bool")

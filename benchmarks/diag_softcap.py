@@ -52,14 +52,18 @@ def chain(h, w, t, cap, ii, g):
 
 
 def main():
-    sp = REGISTRY.get("lm_head_ce", "softcap_mean")
-    h, w, t, cap, ii = _values(sp.example_args(16, 23, torch.bfloat16, 23), "gaussian")
+    # DIAG_CASE="spelling,rows,n,dtype,values,seed" (a Case the thorough profile reported)
+    name, rows, n, dt, vals, seed = os.environ.get("DIAG_CASE", "softcap_mean,16,23,bfloat16,gaussian,23").split(",")
+    dt = getattr(torch, dt)
+    sp = REGISTRY.get("lm_head_ce", name)
+    h, w, t, cap, ii = _values(sp.example_args(int(rows), int(n), dt, int(seed)), vals)[:5]
+    print(f"case: {name} rows {rows} n {n} {dt} {vals} seed {seed}")
     g = torch.randn((), generator=torch.Generator().manual_seed(0))
     cpu = chain(h, w, t, cap, ii, g)
     dev = os.environ.get("DIAG_DEVICE", "cuda")  # "cpu": a dry run of the script itself
     cuda = chain(h.to(dev), w.to(dev), t.to(dev), cap, ii, g.to(dev))
     # the kernel's logit gradient (what it writes over z), from CUDA's z and from the CPU's
-    fn, _ = lm_head._kernel(sp, torch.bfloat16, "autograd", dev)
+    fn, _ = lm_head._kernel(sp, dt, "autograd", dev)
     counted = (t != ii).sum().float()
     kern = {}
     for name, z in (
@@ -84,6 +88,17 @@ def main():
             want = (cpu if ref == "cpu" else cuda)["grad z"]
             ne = (dz.cpu() != want.cpu()).sum().item()
             print(f"kernel dz {name:14s} vs {ref:4s} eager grad z: {ne} of {dz.numel()} differ")
+    # the errors the rule compares: each against float64 truth (the whole op, on `dev` for kernelgraft)
+    from kernelgraft.gradcheck import rel_error
+    from kernelgraft.kernels import op_for
+
+    truth = chain(h.double(), w.double(), t, cap, ii, g.double())
+    hk, wk = h.to(dev).detach().requires_grad_(), w.to(dev).detach().requires_grad_()
+    op_for(sp)(hk, wk, t.to(dev), cap, ii).backward(g.to(dev))
+    for what, got in (("grad h", "h"), ("grad w", "w")):
+        errs = {k: rel_error(v[what], truth[what]) for k, v in (("cpu eager", cpu), ("cuda eager", cuda))}
+        errs["kernelgraft"] = rel_error((hk if got == "h" else wk).grad, truth[what])
+        print(what, "  ".join(f"{k} {e:.4g}" for k, e in errs.items()))
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ def wrap(model, how):
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        # small buckets: dynamo's DDPOptimizer splits the graph at them, as it does a real model's
-        # (the mask then crosses from the first piece into the others as an input). The tiny model
-        # (0.3 MB) is below DDPOptimizer's first bucket (1 MiB, which no bucket may undercut): lowered
-        dist._DEFAULT_FIRST_BUCKET_BYTES = 16 * 1024
-        return DistributedDataParallel(model, bucket_cap_mb=0.05)
+        # tiny buckets: dynamo's DDPOptimizer splits the graph at them, as it does a real model's (a
+        # 1B model's MLP weights, 32 MB each, are cut apart by 25 MB buckets); here every parameter
+        # is a bucket of its own, the worst case. The tiny model (0.3 MB) is below DDPOptimizer's
+        # first bucket (1 MiB, which no bucket may undercut): lowered
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 1024
+        return DistributedDataParallel(model, bucket_cap_mb=0.001)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:

@@ -49,8 +49,12 @@ class Grafter:
         self.dry_run = dry_run
         self.options = dict(options or {})
         self.report = RewriteReport()
+        self._grafted_whole = False  # set while DDP's pieces of an already grafted graph come in
+        _graft_before_ddp_splits()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self._grafted_whole:
+            return self._lower(gm, example_inputs)
         # a copy of the graph as captured, for the calls whose masks fail their run-time check
         checking = not self.dry_run and self.options.get("causal_attention", True) is True
         stock = _graph_copy(gm) if checking and attention.has_masks(gm) else None
@@ -101,6 +105,41 @@ class MaskChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback(args)
         return self.fallback(*args)
+
+
+def _graft_before_ddp_splits() -> None:
+    """Graft DDP's graph whole, before dynamo's DDPOptimizer cuts it into pieces at the gradient
+    buckets (each piece handed to the backend): a cut between a pattern's ops (between the gate and
+    up projections of a 1B model's MLP, whose weights are 32 MB against 25 MB buckets) would leave it
+    unmatched in both pieces, and the causal mask, made in the first piece, would reach the others as
+    an input. The pieces are then only lowered. Installed once; other backends pass through."""
+    try:
+        from torch._dynamo.backends.distributed import DDPOptimizer
+    except Exception:  # noqa: BLE001 - a torch without it has no DDP graph splitting either
+        return
+    original = DDPOptimizer.compile_fn
+    if getattr(original, "_kernelgraft", False):
+        return
+
+    def compile_fn(self, gm, example_inputs, **configs):
+        g = self.backend_compile_fn
+        for _ in range(8):  # dynamo's wrappers: WrapBackendDebug, then torch._TorchCompileWrapper
+            if isinstance(g, Grafter):
+                break
+            g = getattr(g, "_torchdynamo_orig_backend", None) or getattr(g, "compiler_fn", None)
+        if not isinstance(g, Grafter) or g.dry_run or g._grafted_whole:
+            return original(self, gm, example_inputs, **configs)
+        # masks that read graph inputs are kept here: checks by position would not survive the cut
+        opts = {**g.options, "causal_attention": "static" if g.options.get("causal_attention", True) else False}
+        g.report.extend(graft(gm, g.spellings, rounding=g._rounding(), options=opts), frame=_frame_id())
+        g._grafted_whole = True
+        try:
+            return original(self, gm, example_inputs, **configs)
+        finally:
+            g._grafted_whole = False
+
+    compile_fn._kernelgraft = True
+    DDPOptimizer.compile_fn = compile_fn
 
 
 def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -53,7 +53,9 @@ def chain(h, w, t, cap, ii, g):
 
 def main():
     # DIAG_CASE="spelling,rows,n,dtype,values,seed" (a Case the thorough profile reported)
-    name, rows, n, dt, vals, seed = os.environ.get("DIAG_CASE", "softcap_mean,16,23,bfloat16,gaussian,23").split(",")
+    name, rows, n, dt, vals, seed = os.environ.get(
+        "DIAG_CASE", "softcap_mean,16,23,bfloat16,gaussian,23"
+    ).split(",")
     dt = getattr(torch, dt)
     sp = REGISTRY.get("lm_head_ce", name)
     h, w, t, cap, ii = _values(sp.example_args(int(rows), int(n), dt, int(seed)), vals)[:5]

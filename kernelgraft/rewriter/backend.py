@@ -130,7 +130,10 @@ def _graft_before_ddp_splits() -> None:
         if not isinstance(g, Grafter) or g.dry_run or g._grafted_whole:
             return original(self, gm, example_inputs, **configs)
         # masks that read graph inputs are kept here: checks by position would not survive the cut
-        opts = {**g.options, "causal_attention": "static" if g.options.get("causal_attention", True) else False}
+        opts = {
+            **g.options,
+            "causal_attention": "static" if g.options.get("causal_attention", True) else False,
+        }
         g.report.extend(graft(gm, g.spellings, rounding=g._rounding(), options=opts), frame=_frame_id())
         g._grafted_whole = True
         try:

@@ -18,10 +18,9 @@ The proof, per SDPA call (nothing is assumed about how the mask was spelled):
 Then the call gets `attn_mask=None, is_causal=True`; the mask's producers become dead code.
 
 A mask that reads graph inputs cannot be proven on the graph: it is checked at run time instead.
-That is the case wherever the mask crosses a graph boundary: DDP's compiled graph is split at its
-gradient buckets (the mask is made in the first piece and passed to the others), FSDP2 captures one
-graph per decoder layer (the mask arrives as an input), and a mask built from the batch's own
-`attention_mask` reads that input. When the producers read graph inputs (tensors) and nothing else
+That is the case wherever the mask crosses a graph boundary (FSDP2 captures one graph per decoder
+layer: the mask arrives as an input; DDP's graph, cut at its gradient buckets, is grafted whole
+before the cut, see backend.py) and where a mask is built from the batch's own `attention_mask`. When the producers read graph inputs (tensors) and nothing else
 impure, and the sizes are static, the call is rewritten as above, and the backend (backend.py) runs
 the graph only after `MaskCheck.holds` has evaluated the mask from those inputs and found it equal to
 the causal mask (one device synchronization; the verdict is kept for the same input tensors while

@@ -131,8 +131,8 @@ def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
     configs = set()
     real_config = rowkernel._config
 
-    def spy(M, N, device):
-        cfg = real_config(M, N, device)
+    def spy(M, N, device, **kw):
+        cfg = real_config(M, N, device, **kw)
         configs.add((N, tuple(sorted(cfg.items()))))
         return cfg
 
@@ -153,9 +153,10 @@ def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
     assert rep.graphs <= 4, rep.graphs
     assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
     widths = {n for n, _ in configs}
-    # on the CPU the row block is the next power of two of the rows up to 8 (1, 2, 4, 8): at most 4
-    # configs per width, whatever the 20 shapes were; rows vary over 2..69 here
-    assert len(configs) <= 4 * len(widths), sorted(configs)
+    # on the CPU a kernel that sums columns takes the next power of two of the rows up to 8 (1, 2,
+    # 4, 8), every other one block size per width: at most 5 configs per width, whatever the 20
+    # shapes were; rows vary over 2..69 here
+    assert len(configs) <= 5 * len(widths), sorted(configs)
 
 
 def test_gpu_launch_configs_depend_on_the_width_only():

@@ -136,14 +136,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _config(M: int, N: int, device: torch.device) -> dict:
+def _config(M: int, N: int, device: torch.device, sums_columns: bool = True) -> dict:
+    """Launch config of a row kernel: BLOCK_M rows of BLOCK_N per program. sums_columns: the
+    program sums its rows into per-column gradients (a backward with weight-like arguments)."""
     BN = _pow2(max(N, 1))
     if device.type == "cuda":
         BM = max(1, min(16, 4096 // BN))
         warps = 4 if BN <= 2048 else (8 if BN <= 8192 else 16)
         return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=warps)
-    # interpreter: numpy does the work per program, so blocks are large; but numpy sums a column of a
-    # block one row after another, so 8 rows at most keep per-column gradients as accurate as torch's
+    # interpreter: numpy does the work of a program in one go, and the Python around it costs per
+    # program, so blocks are large (32768 elements: RoPE's 32-wide rows 1024 at a time). But numpy
+    # sums a column of a block one row after another: where a program sums columns, 8 rows at most
+    # keep the per-column gradients as accurate as torch's. Rows are independent otherwise.
+    if not sums_columns:
+        return dict(BLOCK_M=max(1, 32768 // BN), BLOCK_N=BN)
     BM = max(1, min(_pow2(max(M, 1)), 32768 // BN, 8))
     return dict(BLOCK_M=BM, BLOCK_N=BN)
 
@@ -345,7 +351,7 @@ def forward_group(
         if groups[0].lay.kinds[n] == "col":
             v = t.reshape(N)
             shared += [v, v.stride(0)]
-    cfg = _config(max(g.lay.M for g in groups), N, dev)
+    cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=False)
     grid = (sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
     try:
         k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg)
@@ -410,10 +416,10 @@ def backward_group(
     names = list(groups[0].tensors)
     N = groups[0].lay.N
     dev = grads[0].device
-    cfg = _config(max(g.lay.M for g in groups), N, dev)
-    n_blocks = max(1, sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
     # per-column gradients: a bounded number of programs, each summing its rows; none: one per block
     has_cols = any(k == "col" for k in groups[0].lay.kinds.values())
+    cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=has_cols)
+    n_blocks = max(1, sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
     nprog = _programs(n_blocks, dev) if has_cols else n_blocks
     dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)
     col_bufs = {

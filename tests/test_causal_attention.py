@@ -171,6 +171,43 @@ def test_a_trace_on_fake_tensors_checks_nothing():
     assert calls == ["causal", "causal"] and check.runs == [1, 0]
 
 
+class GQA(torch.nn.Module):
+    """Grouped-query attention as Hugging Face spells it with a mask: keys and values repeated to
+    the query's heads (repeat_kv), then SDPA; the mask causal (bool) or a sliding window."""
+
+    def __init__(self, kind="bool"):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v):
+        def repeat_kv(x, n):
+            b, h, s, d = x.shape
+            return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+        n = q.shape[1] // k.shape[1]
+        L = q.shape[-2]
+        i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+        m = (j <= i) if self.kind == "bool" else (j <= i) & (i - j < 3)
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=m)
+
+
+def test_grouped_keys_and_values_are_read_unrepeated_once_the_mask_is_gone():
+    stock = GQA()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 9, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, 9, 8, generator=g).requires_grad_() for _ in range(2))
+    assert_as_stock(stock, mine, (q, k, v))
+    rep = mine.kernelgraft_report
+    assert rep.counts() == {"sdpa": 1, "gqa": 1}, str(rep)
+    (gqa,) = [s for s in rep.sites if s.pattern == "gqa"]
+    assert gqa.scalars == {"n_rep": 4} and gqa.shapes["key"] == (2, 2, 9, 8)
+    # a mask that stays (a sliding window): the repeated keys stay too (SDPA's own choice with a mask)
+    kept = kernelgraft.optimize(GQA("window"), backend="eager")
+    assert_as_stock(GQA("window"), kept, (q, k, v))
+    assert kept.kernelgraft_report.counts() == {}, str(kept.kernelgraft_report)
+
+
 def test_query_and_key_of_different_lengths_keep_their_mask():
     # SDPA's is_causal aligns the triangle to the top left; a mask aligned to the bottom right differs
     stock = Attn("bool")

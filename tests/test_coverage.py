@@ -56,13 +56,23 @@ def expected_sites(model, b) -> dict:
     return {"rms_norm": len(calls), "rope": 2 * L, "gated_mlp": L, "lm_head_ce": heads}
 
 
+def kernel_sites(rep, L: int) -> dict:
+    """rep.counts() of the pattern kernels. The attention rewrites (a causal mask -> is_causal, then
+    repeat_kv'ed keys -> enable_gqa) depend on whether the installed transformers builds the mask
+    under compile (5.17 does, 5.24 not always): at most one of each per layer, counted apart."""
+    counts = rep.counts()
+    for k in ("sdpa", "gqa"):
+        assert counts.get(k, 0) <= L, (k, counts)
+    return {k: v for k, v in counts.items() if k not in ("sdpa", "gqa")}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sites_match_the_model(arch, device):
     model = tiny_model(arch, device=device)
     b = batch(device=device)
     rep = kernelgraft.explain(model, **b)
-    assert rep.counts() == expected_sites(model, b), str(rep)
+    assert kernel_sites(rep, model.config.num_hidden_layers) == expected_sites(model, b), str(rep)
     assert not rep.fallbacks and not rep.near_misses, str(rep)
 
 
@@ -79,8 +89,8 @@ def test_loss_and_gradients_agree(arch, dtype, device):
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
     rep = grafted.kernelgraft_report
-    assert rep.counts() == expected_sites(stock, b)
     L = stock.config.num_hidden_layers
+    assert kernel_sites(rep, L) == expected_sites(stock, b)
     assert sum(s.paired for s in rep.sites) == 2 * L  # q and k of each layer: one launch
 
 

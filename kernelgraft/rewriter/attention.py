@@ -27,6 +27,13 @@ the causal mask (one device synchronization; the verdict is kept for the same in
 they live and are not written to: one check per forward, shared by every graph the mask reaches).
 When a mask is not causal (padding), that call runs a copy of the graph with its masks as written,
 compiled on first need: exact either way.
+
+Grouped-query attention: with a mask, Hugging Face repeats the key and value heads to the query's
+(`repeat_kv`: kv[:, :, None].expand(...).reshape(...)) before SDPA; without one it passes
+`enable_gqa=True`. Once a call has no mask (rewritten above, or as captured), keys and values that
+are repeat_kv of k and v are replaced by k and v themselves with `enable_gqa=True`: SDPA maps query
+head h to key head h // n_rep, as repeat_kv does, so the result is the same, and the repeated copies
+(and, in training, the saved 4x-larger keys and values of a Llama-3 layer) are not made.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ from .report import SiteRecord
 
 PATTERN = "sdpa"
 SPELLING = "causal_mask"
-CHECKED = "causal_mask_checked"  # the spelling of a site whose mask is checked at run time
+CHECKED = "causal_mask_checked"
+GQA_PATTERN, GQA = (
+    "gqa",
+    "unrepeated_kv",
+)  # a mask-free call that read repeat_kv'ed keys and values  # the spelling of a site whose mask is checked at run time
 META = "kernelgraft_mask_checks"  # gm.meta key: the MaskChecks the graph's rewrite relies on
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "empty")
@@ -210,6 +221,7 @@ def make_causal(
     left as they are, with why). runtime=True also rewrites the calls whose mask reads graph inputs;
     their MaskChecks go to gm.meta[META], for the backend to run before the graph."""
     done, kept, checks = [], [], []
+    mask_free: set = set()  # SDPA calls rewritten to is_causal=True
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in list(gm.graph.nodes):
         if not _is_sdpa(n):
@@ -243,16 +255,19 @@ def make_causal(
             kept.append(rec)
             continue
         done.append(rec)
+        mask_free.add(n)
         if edit:
-            args = list(n.args)
-            kwargs = dict(n.kwargs)
-            for name, v in (("attn_mask", None), ("is_causal", True)):
-                i = _ARGS.index(name)
-                if i < len(args):
-                    args[i] = v
-                else:
-                    kwargs[name] = v
-            n.args, n.kwargs = tuple(args), kwargs
+            _set_args(n, attn_mask=None, is_causal=True)
+    for n in [n for n in gm.graph.nodes if _is_sdpa(n)]:
+        grouped = _grouped_kv(n) if (n in mask_free or _arg(n, "attn_mask") is None) else None
+        if grouped is None:
+            continue
+        (k0, v0), n_rep = grouped
+        q = _static_shape(_value(_arg(n, "query")))
+        done.append(_record(n, q, _static_shape(_value(k0)), None, GQA))
+        done[-1].scalars = {"n_rep": n_rep}
+        if edit:
+            _set_args(n, key=k0, value=v0, enable_gqa=True)
     if edit and checks:
         unique = {c.key + repr(c.inputs): c for c in checks}  # q's and k's layers share one mask
         gm.meta[META] = list(unique.values())
@@ -263,7 +278,69 @@ def make_causal(
     return done, kept
 
 
-def _record(n: torch.fx.Node, q, k, m) -> SiteRecord:
+def _set_args(n: torch.fx.Node, **values) -> None:
+    """Set SDPA arguments by name, where the call passed them (positionally or by keyword)."""
+    args, kwargs = list(n.args), dict(n.kwargs)
+    for name, v in values.items():
+        i = _ARGS.index(name)
+        if i < len(args):
+            args[i] = v
+        else:
+            kwargs[name] = v
+    n.args, n.kwargs = tuple(args), kwargs
+
+
+def _name(n) -> str:
+    if not isinstance(n, torch.fx.Node) or n.op not in ("call_method", "call_function"):
+        return ""
+    return n.target if n.op == "call_method" else str(getattr(n.target, "__name__", ""))
+
+
+_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+_NEW_AXIS_2 = (slice(None), slice(None), None, slice(None), slice(None))
+
+
+def _repeated(x) -> tuple | None:
+    """(kv, n_rep) if x is Hugging Face's repeat_kv(kv, n_rep): kv[:, :, None].expand(B, H, n_rep,
+    S, D).reshape(B, H * n_rep, S, D), with static sizes; else None."""
+    if _name(x) not in ("reshape", "view"):
+        return None
+    e = x.args[0]
+    if _name(e) != "expand":
+        return None
+    u = e.args[0]
+    new_axis = (_name(u) == "getitem" and u.args[1] == _NEW_AXIS_2) or (
+        _name(u) == "unsqueeze" and tuple(u.args[1:]) + tuple(u.kwargs.values()) in ((2,), (-3,))
+    )
+    if not new_axis:
+        return None
+    base = u.args[0]
+    vb, ve, vx = (_static_shape(_value(t)) for t in (base, e, x))
+    if vb is None or ve is None or vx is None or len(vb) != 4:
+        return None
+    B, H, S, D = vb
+    n_rep = ve[2]
+    if ve != (B, H, n_rep, S, D) or vx != (B, H * n_rep, S, D):
+        return None
+    return base, n_rep
+
+
+def _grouped_kv(n: torch.fx.Node) -> tuple | None:
+    """((k, v), n_rep) where the call's key and value are repeat_kv of k and v (grouped-query
+    attention spelled out), so SDPA can read k and v themselves with enable_gqa=True; else None."""
+    if _arg(n, "enable_gqa", False) or not _HAS_GQA:
+        return None
+    rk, rv = _repeated(_arg(n, "key")), _repeated(_arg(n, "value"))
+    q = _static_shape(_value(_arg(n, "query")))
+    if rk is None or rv is None or q is None or rk[1] != rv[1] or rk[1] < 2:
+        return None
+    hk = _static_shape(_value(rk[0]))
+    if len(q) != 4 or q[1] != hk[1] * rk[1]:
+        return None
+    return (rk[0], rv[0]), rk[1]
+
+
+def _record(n: torch.fx.Node, q, k, m, spelling: str = SPELLING) -> SiteRecord:
     from .match import module_path
 
     module = module_path(n)
@@ -272,4 +349,4 @@ def _record(n: torch.fx.Node, q, k, m) -> SiteRecord:
         shapes["attn_mask"] = tuple(int(d) if type(d) is int else -1 for d in m.shape)
     dt = _value(_arg(n, "query"))
     dtypes = {"query": str(dt.dtype).replace("torch.", "")} if isinstance(dt, torch.Tensor) else {}
-    return SiteRecord(PATTERN, SPELLING, module, shapes, dtypes, {})
+    return SiteRecord(GQA_PATTERN if spelling == GQA else PATTERN, spelling, module, shapes, dtypes, {})

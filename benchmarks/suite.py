@@ -211,8 +211,8 @@ def build(shape, mode):
 
 def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
-    ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW"), or Liger's patch (of a peft
-    model's base model)."""
+    ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute"), or Liger's
+    patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
     elif mode.startswith("kernelgraft"):
@@ -220,7 +220,10 @@ def apply_mode(model, mode: str):
 
         acc = "weight" if "bf16 dW" in mode else "fp32"
         kernelgraft.optimize(
-            model, backend="eager" if "(eager" in mode else "inductor", lm_head_accumulate=acc
+            model,
+            backend="eager" if "(eager" in mode else "inductor",
+            lm_head_accumulate=acc,
+            recompute="no recompute" not in mode,
         )
     elif mode == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance

@@ -14,9 +14,11 @@ from .spec import Unsupported
 KERNELS = ("row", "lm_head_ce")  # the kernel families a spelling can name
 
 
-def op_for(spelling, rounding: str = "autograd"):
+def op_for(spelling, rounding: str = "autograd", recompute: bool = False):
     """The custom op serving `spelling` (defined on first use), from its kernel family. Called
     with the spelling's own arguments, it computes what the spelling computes, with gradients.
+    recompute: the op of a site whose output is to be recomputed in the backward (row kernels; the
+    same kernels under another op name, so a compiled graph's cache entry tells the two apart).
 
     >>> import torch, kernelgraft
     >>> sp = kernelgraft.patterns.REGISTRY.get("gated_mlp", "silu")
@@ -29,7 +31,7 @@ def op_for(spelling, rounding: str = "autograd"):
         return lm_head.op_for(spelling, rounding)
     if spelling.kernel != "row":
         raise ValueError(f"{spelling.qualname}: unknown kernel family {spelling.kernel!r}; known: {KERNELS}")
-    return ops.op_for(spelling, rounding)
+    return ops.op_for(spelling, rounding, recompute)
 
 
 def refusal(spelling, metas: dict, rounding: str = "autograd", options: dict | None = None) -> str | None:

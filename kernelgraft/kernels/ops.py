@@ -68,10 +68,11 @@ def _fake(sp, args, rounding):
     return out, torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
 
 
-def op_for(spelling, rounding: str = "autograd") -> GraftedOp:
+def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> GraftedOp:
     """The custom op pair for `spelling`, defined on first use. rounding: 'autograd' rounds like
-    eager PyTorch (the eager backend), 'fused' like inductor's fused kernels (the inductor backend)."""
-    suffix = "" if rounding == "autograd" else f"__{rounding}"
+    eager PyTorch (the eager backend), 'fused' like inductor's fused kernels (the inductor backend).
+    recompute: another name for the same op, for sites tagged to be recomputed in the backward."""
+    suffix = ("" if rounding == "autograd" else f"__{rounding}") + ("__rc" if recompute else "")
     name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}{suffix}_abi{ABI}")
     if name in _OPS:
         return _OPS[name]

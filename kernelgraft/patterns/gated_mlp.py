@@ -13,21 +13,21 @@ import torch.nn.functional as F
 from .registry import dtype_check, pattern
 
 
-@pattern("gated_mlp", spelling="silu", extra_check=dtype_check)
+@pattern("gated_mlp", spelling="silu", extra_check=dtype_check, recompute=True)
 def gated_silu(gate, up):
     return F.silu(gate) * up
 
 
-@pattern("gated_mlp", spelling="gelu_tanh", extra_check=dtype_check)
+@pattern("gated_mlp", spelling="gelu_tanh", extra_check=dtype_check, recompute=True)
 def gated_gelu_tanh(gate, up):
     return F.gelu(gate, approximate="tanh") * up
 
 
-@pattern("gated_mlp", spelling="gelu", extra_check=dtype_check)
+@pattern("gated_mlp", spelling="gelu", extra_check=dtype_check, recompute=True)
 def gated_gelu(gate, up):
     return F.gelu(gate) * up
 
 
-@pattern("gated_mlp", spelling="relu2", extra_check=dtype_check)
+@pattern("gated_mlp", spelling="relu2", extra_check=dtype_check, recompute=True)
 def gated_relu2(gate, up):
     return torch.square(F.relu(gate)) * up

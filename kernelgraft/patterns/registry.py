@@ -52,6 +52,9 @@ class Spelling:
     kernel: str = "row"  # the kernel family in kernels/ that serves it: "row" (generated) or a template
     may_withhold: bool = False  # intermediates the graph returns may be withheld (the LM head's logits)
     example: Callable | None = None  # (rows, n, dtype, generator) -> {argument: value}, for audits
+    # the output is recomputed in the backward (from the inputs the kernel's backward keeps anyway)
+    # rather than saved for the ops that read it, where the compiler partitions (inductor backend)
+    recompute: bool = False
     _canonical: Any = field(default=None, repr=False)
 
     @property
@@ -148,6 +151,7 @@ def pattern(
     kernel: str = "row",
     may_withhold: bool = False,
     example: Callable | None = None,
+    recompute: bool = False,
 ):
     """Register a plain PyTorch function as a spelling of pattern `name`.
 
@@ -159,6 +163,10 @@ def pattern(
     the match take an intermediate that the graph also returns (the LM head's logits): the graph
     then returns an empty tensor there, and optimize() turns it into an explicit error on use.
     `example(rows, n, dtype, generator)` returns {argument name: value} as a model passes them.
+    `recompute=True` (row kernels): the output is cheap to make again from the inputs, which the
+    kernel's backward keeps anyway; with the inductor backend it is then recomputed in the backward
+    instead of being saved for the ops that read it (a gated MLP's output, which the down
+    projection would save for its weight gradient).
 
     >>> import torch, kernelgraft
     >>> from kernelgraft import Scalar
@@ -193,6 +201,7 @@ def pattern(
             kernel,
             may_withhold,
             example,
+            recompute,
         )
         sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
         (registry or REGISTRY).add(sp)

@@ -21,21 +21,21 @@ def _example(rows, n, dtype, g):
     return {"x": x, "weight": w, "eps": 1e-6}
 
 
-@pattern("rms_norm", spelling="llama", extra_check=dtype_check, example=_example)
+@pattern("rms_norm", spelling="llama", extra_check=dtype_check, example=_example, recompute=True)
 def rms_norm_llama(x, weight, eps: Scalar):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-@pattern("rms_norm", spelling="olmo2", extra_check=dtype_check, example=_example)
+@pattern("rms_norm", spelling="olmo2", extra_check=dtype_check, example=_example, recompute=True)
 def rms_norm_olmo2(x, weight, eps: Scalar):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h).to(x.dtype)
 
 
-@pattern("rms_norm", spelling="gemma", extra_check=dtype_check, example=_example)
+@pattern("rms_norm", spelling="gemma", extra_check=dtype_check, example=_example, recompute=True)
 def rms_norm_gemma(x, weight, eps: Scalar):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

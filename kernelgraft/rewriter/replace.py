@@ -49,7 +49,8 @@ def _rewrite(
     gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str, options: dict
 ) -> torch.fx.Node:
     sp = m.spelling
-    op = op_for(sp, rounding)
+    recompute = sp.recompute and options.get("recompute", True)
+    op = op_for(sp, rounding, recompute=True) if recompute else op_for(sp, rounding)
     named = {
         a: m.scalars[a] if a in sp.scalar_names else redirect.get(m.tensors[a].fx, m.tensors[a].fx)
         for a in sp.arg_names
@@ -63,6 +64,13 @@ def _rewrite(
     for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if k in out_fx.meta:
             call.meta[k] = new.meta[k] = out_fx.meta[k]
+    if recompute:
+        # selective activation checkpointing's tags, read by AOT autograd's partitioner (copied to
+        # the traced op): recompute this output in the backward; its inputs are saved anyway
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        call.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        call.meta["ac_graph_id"] = 1
     if "example_value" in out_fx.meta:
         new.meta["example_value"] = out_fx.meta["example_value"]
     out_fx.replace_all_uses_with(new)

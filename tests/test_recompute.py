@@ -1,0 +1,51 @@
+"""Outputs recomputed in the backward (patterns declared with recompute=True: the gated MLP and
+RMSNorm): with the inductor backend AOT autograd's partitioner makes them again from the inputs their
+kernels' backward keeps, instead of saving them for the matmuls that read them. Less saved for the
+backward, the same numbers (the DESIGN.md rule against float64)."""
+
+import copy
+
+import torch
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+
+
+def saved_for_backward(model, b) -> dict:
+    """Storage -> (bytes, shape) of every tensor the forward saved for the backward (parameters
+    aside), through saved_tensors_hooks; then runs the backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = (t.untyped_storage().nbytes(), tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**b, use_cache=False).loss
+    loss.backward()
+    return seen
+
+
+def test_recomputed_outputs_are_not_saved_and_the_numbers_hold():
+    stock = tiny_model("llama", layers=2)
+    cfg = stock.config
+    b = batch(B=2, S=16)
+    T, L = 2 * 16, cfg.num_hidden_layers
+    hidden = {}
+    for recompute in (True, False):
+        mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor", recompute=recompute)
+        bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
+        assert not bad, (recompute, bad)
+        saved = saved_for_backward(mine, b)
+        mlp = [s for s, shape in saved.values() if shape and shape[-1] == cfg.intermediate_size]
+        assert all(s == T * cfg.intermediate_size * 4 for s in mlp), mlp
+        # per layer the MLP's gate and up (its kernel's backward reads them); its output only
+        # without recompute (the down projection saves it for its weight gradient)
+        assert len(mlp) == (2 if recompute else 3) * L, (recompute, sorted(saved.values()))
+        hidden[recompute] = sum(s for s, shape in saved.values() if shape and shape[-1] == cfg.hidden_size)
+    # and the RMSNorm outputs (the projections' inputs): 2 per layer and the final norm's (the LM
+    # head's input), T x hidden float32 each, saved only without recompute
+    assert hidden[False] - hidden[True] >= (2 * L + 1) * T * cfg.hidden_size * 4, hidden

@@ -64,7 +64,11 @@ def _rewrite(
     for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if k in out_fx.meta:
             call.meta[k] = new.meta[k] = out_fx.meta[k]
-    if recompute:
+    if "recompute" in out_fx.meta:  # inside the user's activation checkpointing: its tags stand
+        for k in ("recompute", "ac_graph_id"):
+            if k in out_fx.meta:
+                call.meta[k] = out_fx.meta[k]
+    elif recompute:
         # selective activation checkpointing's tags, read by AOT autograd's partitioner (copied to
         # the traced op): recompute this output in the backward; its inputs are saved anyway
         from torch.utils.checkpoint import CheckpointPolicy

@@ -291,7 +291,32 @@ def graft(
     if rep.sites and (not dry_run or options.get("probe") is not None):
         gm.graph.lint()
         gm.recompile()
+    for body in _checkpointed_bodies(gm):
+        # a region under torch.utils.checkpoint (Hugging Face's gradient checkpointing: one per
+        # decoder layer) is a graph of its own, called through a higher-order op: graft it too. Its
+        # mask arrives as an input there, and run-time checks wrap only the outer graph: static proofs
+        inner = {**options, "causal_attention": "static" if options.get("causal_attention", True) else False}
+        sub = graft(body, spellings, dry_run=dry_run, rounding=rounding, options=inner)
+        rep.sites += sub.sites
+        rep.fallbacks += sub.fallbacks
+        rep.near_misses += sub.near_misses
+        rep.masks_kept += sub.masks_kept
     return rep
+
+
+def _checkpointed_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """The graphs of the activation-checkpointed regions gm calls (dynamo's
+    tag_activation_checkpoint higher-order op, its body a get_attr of gm), each once."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if hop is not None and n.op == "call_function" and n.target is hop and n.args:
+            b = n.args[0]
+            if isinstance(b, torch.fx.Node) and b.op == "get_attr":
+                body = getattr(gm, b.target, None)
+                if isinstance(body, torch.fx.GraphModule):
+                    out[id(body)] = body
+    return list(out.values())
 
 
 def _insert_probe(gm, probe, rec, sp, before, args) -> None:

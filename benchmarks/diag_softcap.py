@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelgraft.gradcheck.strategies import _values
-from kernelgraft.kernels import lm_head
+from kernelgraft.kernels import lm_head, rowkernel
 from kernelgraft.patterns import REGISTRY
 
 
@@ -76,7 +76,7 @@ def main():
         loss = torch.empty(z.shape[0], device=dev)
         fn[(z.shape[0],)](
             dz, dz.stride(0), t.to(dev), loss, (g.to(dev) / counted.to(dev)).reshape(1), cap, z.shape[1], ii,
-            GRAD=True, BLOCK_V=128, **lm_head.launch_options("autograd", dt, dev),
+            GRAD=True, BLOCK_V=128, **rowkernel.launch_options("autograd", [dt], dev),
         )  # fmt: skip
         kern[name] = dz
     print(f"{'quantity':40s} {'n':>6s} {'cpu!=cuda':>10s} {'max |diff|':>12s}")

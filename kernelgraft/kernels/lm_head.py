@@ -205,18 +205,6 @@ def kernel_name(spelling, dtype: torch.dtype, rounding: str) -> str:
     return re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
 
 
-def launch_options(rounding: str, dtype: torch.dtype, device_type: str) -> dict:
-    """Triton options for a kernel that must round where the reference rounds. On the GPU Triton
-    contracts a multiply and an add into one FMA by default, and LLVM first narrows float ops on
-    values rounded to fp16/bf16 into half-precision ops: `1 - round(y*y)` became fma(-y, y, 1),
-    one rounding where CUDA eager's tanh_backward has two (measured on the H200, 2026-11-30: 53232
-    of 200000 fp16 results differed from aten's; benchmarks/diag_softcap.py found the case).
-    Without contraction every rounding written in the generated source is kept."""
-    if device_type == "cuda" and rounding == "autograd" and dtype in (torch.bfloat16, torch.float16):
-        return {"enable_fp_fusion": False}
-    return {}
-
-
 def rounds_as(device_type: str) -> str:
     """Whose eager rounding a kernel running on `device_type` reproduces: CUDA's and the CPU's
     elementwise backward kernels round differently in places (derive._local_derivatives: tanh)."""
@@ -366,7 +354,7 @@ def forward(
                 GRAD=grad,
                 BLOCK_V=BV,
                 num_warps=warps,
-                **launch_options(rounding, W.dtype, dev.type),
+                **rowkernel.launch_options(rounding, [W.dtype], dev.type),
             )
         except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
             _failed(kernel_name(spelling, W.dtype, rounding), dev, e)

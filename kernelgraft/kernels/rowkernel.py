@@ -136,6 +136,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def launch_options(rounding: str, dtypes, device_type: str) -> dict:
+    """Triton options for a kernel that must round where the reference rounds. On the GPU Triton
+    contracts a multiply and an add into one FMA by default, and LLVM first narrows float ops on
+    values rounded to fp16/bf16 into half-precision ops: the LM head's `1 - round(y*y)` became
+    fma(-y, y, 1), one rounding where CUDA eager's tanh_backward has two (measured on the H200,
+    2026-11-30: 53232 of 200000 fp16 results differed from aten's; benchmarks/diag_softcap.py found
+    the case). Without contraction every rounding written in the generated source is kept, as eager
+    keeps each op's. Under inductor's rounding ("fused") contraction stays on, as inductor's own."""
+    low = any(d in (torch.bfloat16, torch.float16) for d in dtypes)
+    if device_type == "cuda" and rounding == "autograd" and low:
+        return {"enable_fp_fusion": False}
+    return {}
+
+
 def _config(M: int, N: int, device: torch.device, sums_columns: bool = True) -> dict:
     """Launch config of a row kernel: BLOCK_M rows of BLOCK_N per program. sums_columns: the
     program sums its rows into per-column gradients (a backward with weight-like arguments)."""
@@ -354,7 +368,8 @@ def forward_group(
     cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=False)
     grid = (sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
     try:
-        k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg)
+        opts = launch_options(rounding, [t.dtype for t in groups[0].tensors.values()], dev.type)
+        k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg, **opts)
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: the stock code runs
@@ -459,7 +474,10 @@ def backward_group(
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
         try:
-            k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](*shared, *gargs, N, float(N), **cfg, **flags)
+            opts = launch_options(rounding, [t.dtype for t in groups[0].tensors.values()], dev.type)
+            k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](
+                *shared, *gargs, N, float(N), **cfg, **flags, **opts
+            )
         except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
             _failed(k, dev, e)
             return [

@@ -15,3 +15,24 @@ def peak_above(fn) -> int:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+def saved_for_backward(model: torch.nn.Module, loss_fn) -> int:
+    """Bytes of the tensors that `loss_fn()` (a forward of `model`) saves for the backward: unique
+    storages, `model`'s parameters aside (saved_tensors_hooks); then runs that backward and clears
+    the gradients. With the peak and the parameters' bytes it splits a step's memory into weights,
+    gradients, saved activations and the rest (transient buffers)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
+import benchlib  # noqa: E402
 from benchlib import peak_above  # noqa: E402
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
@@ -266,6 +267,9 @@ def measure_step(shape, mode, steps):
         first_step_s=first,
         loss=first_loss,
     )
+    # one more step: what its forward saves for the backward (the peak's activations part)
+    saved = benchlib.saved_for_backward(model, lambda: model(input_ids=ids, labels=ids).loss)
+    out["saved_gib"] = saved / 2**30
     if mode.startswith("kernelgraft"):
         out["sites"] = model.kernelgraft_report.counts()
     if PROFILE_STEPS:
@@ -385,11 +389,25 @@ def markdown(doc) -> str:
         _table(
             L,
             f"**Training step, {shape}** (fwd + bwd, no optimizer)",
-            ["mode", "tokens/s", "vs eager", "vs compile", "vs Liger", "peak GiB", "first step s"],
+            [
+                "mode",
+                "tokens/s",
+                "vs eager",
+                "vs compile",
+                "vs Liger",
+                "peak GiB",
+                "saved GiB",
+                "first step s",
+            ],
             modes,
             "tok_s",
             lambda own, peer: own / peer,
-            lambda v: (f"{v['tok_s']:,.0f}", f"{v['peak_gib']:.1f}", f"{v['first_step_s']:.1f}"),
+            lambda v: (
+                f"{v['tok_s']:,.0f}",
+                f"{v['peak_gib']:.1f}",
+                f"{v['saved_gib']:.1f}" if "saved_gib" in v else "-",
+                f"{v['first_step_s']:.1f}",
+            ),
         )
     for shape, modes in doc.get("steps", {}).items():
         prof = {m: v["profile"] for m, v in modes.items() if "profile" in v}

@@ -17,22 +17,27 @@ def peak_above(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def saved_for_backward(model: torch.nn.Module, loss_fn) -> int:
-    """Bytes of the tensors that `loss_fn()` (a forward of `model`) saves for the backward: unique
-    storages, `model`'s parameters aside (saved_tensors_hooks); then runs that backward and clears
-    the gradients. With the peak and the parameters' bytes it splits a step's memory into weights,
-    gradients, saved activations and the rest (transient buffers)."""
+def saved_for_backward(model: torch.nn.Module, loss_fn) -> dict:
+    """What `loss_fn()` (a forward of `model`) saves for the backward: storage address -> (bytes,
+    shape of a tensor saved on it), `model`'s parameters aside (saved_tensors_hooks); then runs that
+    backward and clears the gradients. Summed with the peak and the parameters' bytes it splits a
+    step's memory into weights, gradients, saved activations and the rest (transient buffers)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict = {}
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
+            seen[st.data_ptr()] = (st.nbytes(), tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_fn()
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    return seen
+
+
+def saved_bytes(model: torch.nn.Module, loss_fn) -> int:
+    """The bytes of saved_for_backward(model, loss_fn)."""
+    return sum(b for b, _ in saved_for_backward(model, loss_fn).values())

@@ -37,8 +37,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
-import benchlib  # noqa: E402
-from benchlib import peak_above  # noqa: E402
+from benchlib import peak_above, saved_bytes  # noqa: E402
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
 
@@ -268,8 +267,7 @@ def measure_step(shape, mode, steps):
         loss=first_loss,
     )
     # one more step: what its forward saves for the backward (the peak's activations part)
-    saved = benchlib.saved_for_backward(model, lambda: model(input_ids=ids, labels=ids).loss)
-    out["saved_gib"] = saved / 2**30
+    out["saved_gib"] = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss) / 2**30
     if mode.startswith("kernelgraft"):
         out["sites"] = model.kernelgraft_report.counts()
     if PROFILE_STEPS:

@@ -4,30 +4,16 @@ kernels' backward keeps, instead of saving them for the matmuls that read them. 
 backward, the same numbers (the DESIGN.md rule against float64)."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
 
-
-def saved_for_backward(model, b) -> dict:
-    """Storage -> (bytes, shape) of every tensor the forward saved for the backward (parameters
-    aside), through saved_tensors_hooks; then runs the backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params:
-            seen[key] = (t.untyped_storage().nbytes(), tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(**b, use_cache=False).loss
-    loss.backward()
-    return seen
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from benchlib import saved_for_backward  # noqa: E402  (the suite's measure of the same)
 
 
 def test_recomputed_outputs_are_not_saved_and_the_numbers_hold():
@@ -40,7 +26,7 @@ def test_recomputed_outputs_are_not_saved_and_the_numbers_hold():
         mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor", recompute=recompute)
         bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
         assert not bad, (recompute, bad)
-        saved = saved_for_backward(mine, b)
+        saved = saved_for_backward(mine, lambda m=mine: m(**b, use_cache=False).loss)
         mlp = [s for s, shape in saved.values() if shape and shape[-1] == cfg.intermediate_size]
         assert all(s == T * cfg.intermediate_size * 4 for s in mlp), mlp
         # per layer the MLP's gate and up (its kernel's backward reads them); its output only

@@ -338,6 +338,7 @@ def forward(
     )
     C = chunk_tokens(T, V, W.element_size(), chunk)
     BV, warps = _ce_config(V, dev)
+    opts = rowkernel.launch_options(rounding, [W.dtype], dev.type)
     for c0, c1 in chunk_bounds(T, C):
         hc = h2[c0:c1]
         z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
@@ -354,7 +355,7 @@ def forward(
                 GRAD=grad,
                 BLOCK_V=BV,
                 num_warps=warps,
-                **rowkernel.launch_options(rounding, [W.dtype], dev.type),
+                **opts,
             )
         except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
             _failed(kernel_name(spelling, W.dtype, rounding), dev, e)

@@ -41,6 +41,13 @@ class RowKernel:
             and not any(n.endswith("__p") or n == "sgn" for n in needed)
         )
 
+    def options(self, device: torch.device) -> dict:
+        """launch_options for this kernel on `device` (decided once per device type)."""
+        key = ("options", device.type)
+        if key not in self._compiled:
+            self._compiled[key] = launch_options(self.spec.rounding, self.spec.dtypes.values(), device.type)
+        return self._compiled[key]
+
     def fn(self, which: str, device: torch.device):
         """The kernel for `device`: Triton-compiled on cuda, interpreted on cpu, from one source file."""
         key = (which, device.type)
@@ -368,8 +375,9 @@ def forward_group(
     cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=False)
     grid = (sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
     try:
-        opts = launch_options(rounding, [t.dtype for t in groups[0].tensors.values()], dev.type)
-        k.fn(_entry("fwd", len(groups)), dev)[grid](*shared, *scalars, *gargs, N, float(N), **cfg, **opts)
+        k.fn(_entry("fwd", len(groups)), dev)[grid](
+            *shared, *scalars, *gargs, N, float(N), **cfg, **k.options(dev)
+        )
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: the stock code runs
@@ -474,9 +482,8 @@ def backward_group(
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
         try:
-            opts = launch_options(rounding, [t.dtype for t in groups[0].tensors.values()], dev.type)
             k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](
-                *shared, *gargs, N, float(N), **cfg, **flags, **opts
+                *shared, *gargs, N, float(N), **cfg, **flags, **k.options(dev)
             )
         except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
             _failed(k, dev, e)

@@ -20,8 +20,8 @@ Then the call gets `attn_mask=None, is_causal=True`; the mask's producers become
 A mask that reads graph inputs cannot be proven on the graph: it is checked at run time instead.
 That is the case wherever the mask crosses a graph boundary (FSDP2 captures one graph per decoder
 layer: the mask arrives as an input; DDP's graph, cut at its gradient buckets, is grafted whole
-before the cut, see backend.py) and where a mask is built from the batch's own `attention_mask`. When the producers read graph inputs (tensors) and nothing else
-impure, and the sizes are static, the call is rewritten as above, and the backend (backend.py) runs
+before the cut, see backend.py) and where a mask is built from the batch's own `attention_mask`.
+When the producers read graph inputs (tensors) and nothing else impure, and the sizes are static, the call is rewritten as above, and the backend (backend.py) runs
 the graph only after `MaskCheck.holds` has evaluated the mask from those inputs and found it equal to
 the causal mask (one device synchronization; the verdict is kept for the same input tensors while
 they live and are not written to: one check per forward, shared by every graph the mask reaches).
@@ -49,11 +49,9 @@ from .report import SiteRecord
 
 PATTERN = "sdpa"
 SPELLING = "causal_mask"
-CHECKED = "causal_mask_checked"
-GQA_PATTERN, GQA = (
-    "gqa",
-    "unrepeated_kv",
-)  # a mask-free call that read repeat_kv'ed keys and values  # the spelling of a site whose mask is checked at run time
+CHECKED = "causal_mask_checked"  # the spelling of a site whose mask is checked at run time
+# a mask-free call that read repeat_kv'ed keys and values: pattern and spelling
+GQA_PATTERN, GQA = "gqa", "unrepeated_kv"
 META = "kernelgraft_mask_checks"  # gm.meta key: the MaskChecks the graph's rewrite relies on
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "empty")
@@ -63,9 +61,23 @@ def _is_sdpa(n: torch.fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "__name__", "") == "scaled_dot_product_attention"
 
 
-def has_masks(gm: torch.fx.GraphModule) -> bool:
-    """Whether any SDPA call of the graph is given a mask (the only calls make_causal may edit)."""
-    return any(_is_sdpa(n) and isinstance(_arg(n, "attn_mask"), torch.fx.Node) for n in gm.graph.nodes)
+def has_input_masks(gm: torch.fx.GraphModule) -> bool:
+    """Whether an SDPA call of the graph has a mask that reads graph inputs (one make_causal(...,
+    runtime=True) checks at run time; the backend then keeps a copy of the graph for a failed
+    check). A walk of the producers, nothing evaluated."""
+    for n in gm.graph.nodes:
+        mask = _arg(n, "attn_mask") if _is_sdpa(n) else None
+        if isinstance(mask, torch.fx.Node) and _arg(n, "is_causal", False) is False:
+            found = _slice(mask, inputs_ok=True)
+            if not isinstance(found, str) and found[1]:
+                return True
+    return False
+
+
+def static_only(options: dict) -> dict:
+    """options with masks proven on the graph only (no run-time checks): for graphs the checks
+    cannot wrap (DDP's before its cut, checkpointed regions, the fallback of a failed check)."""
+    return {**options, "causal_attention": "static" if options.get("causal_attention", True) else False}
 
 
 def _arg(n: torch.fx.Node, name: str, default=None):
@@ -139,41 +151,31 @@ def _subgraph(nodes: list, inputs: list, out: torch.fx.Node) -> torch.fx.GraphMo
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def _evaluate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> torch.Tensor:
+def _evaluate(nodes: list[torch.fx.Node]) -> torch.Tensor:
     with unset_fake_temporarily(), torch.no_grad():  # real values, even inside a fake-tensor trace
         return _subgraph(nodes, [], nodes[-1])()
 
 
 def causal_verdict(m: torch.Tensor, lq: int, lk: int) -> str | None:
-    """None if the mask `m` (broadcast to [..., lq, lk]) is the causal mask; else why not."""
+    """None if the mask `m` (broadcast to [..., lq, lk]) is the causal mask; else why not. Decided
+    on m's device with one synchronization (run-time checks call it once per forward)."""
     if lq != lk:
         return f"query length {lq} != key length {lk}"
     if m.dim() < 2 or tuple(m.shape[-2:]) != (lq, lk):
         return f"mask shape {tuple(m.shape)} is not [..., {lq}, {lk}]"
     tril = torch.ones(lq, lk, dtype=torch.bool, device=m.device).tril()
-    rows = m.reshape(-1, lq, lk)
     if m.dtype == torch.bool:
-        return None if bool((rows == tril).all()) else "the boolean mask is not the lower triangle"
+        return None if bool((m == tril).all()) else "the boolean mask is not the lower triangle"
     if not m.dtype.is_floating_point:
         return f"mask dtype {m.dtype}"
-    zero_where_allowed = bool((rows[:, tril] == 0).all())
-    blocked = rows[:, ~tril]
-    very_negative = bool((blocked <= torch.finfo(m.dtype).min / 2).all())
-    if zero_where_allowed and very_negative:
+    # additive: 0 where allowed, at most finfo.min / 2 (or -inf) above the diagonal
+    if bool(torch.where(tril, m == 0, m <= torch.finfo(m.dtype).min / 2).all()):
         return None
     return "the additive mask is not 0 on the lower triangle and -inf above it"
 
 
 def is_causal_mask(m: torch.Tensor, lq: int, lk: int) -> bool:
-    """causal_verdict(m, lq, lk) is None, decided on m's device with one synchronization."""
-    if lq != lk or m.dim() < 2 or tuple(m.shape[-2:]) != (lq, lk):
-        return False
-    tril = torch.ones(lq, lk, dtype=torch.bool, device=m.device).tril()
-    if m.dtype == torch.bool:
-        return bool((m == tril).all())
-    if not m.dtype.is_floating_point:
-        return False
-    return bool(torch.where(tril, m == 0, m <= torch.finfo(m.dtype).min / 2).all())
+    return causal_verdict(m, lq, lk) is None
 
 
 # verdicts of MaskCheck.holds: (ids of the input tensors, check key) -> (weak refs, versions, verdict)
@@ -247,7 +249,7 @@ def make_causal(
                 rec.spelling = CHECKED
             else:
                 try:
-                    why = causal_verdict(_evaluate(gm, found[0]), q[-2], k[-2])
+                    why = causal_verdict(_evaluate(found[0]), q[-2], k[-2])
                 except Exception as e:  # noqa: BLE001 - a mask we cannot evaluate is left as it is
                     why = f"the mask could not be evaluated ({type(e).__name__}: {e})"[:200]
         if why:

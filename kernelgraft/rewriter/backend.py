@@ -57,7 +57,7 @@ class Grafter:
             return self._lower(gm, example_inputs)
         # a copy of the graph as captured, for the calls whose masks fail their run-time check
         checking = not self.dry_run and self.options.get("causal_attention", True) is True
-        stock = _graph_copy(gm) if checking and attention.has_masks(gm) else None
+        stock = _graph_copy(gm) if checking and attention.has_input_masks(gm) else None
         rep = graft(gm, self.spellings, dry_run=self.dry_run, rounding=self._rounding(), options=self.options)
         self.report.extend(rep, frame=_frame_id())
         compiled = self._lower(gm, example_inputs)
@@ -81,8 +81,7 @@ class Grafter:
     def _fallback(self, stock: torch.fx.GraphModule, args):
         """The graph with its masks as written (those proven on the graph still rewritten), lowered
         with the arguments of the call that needs it (the graph's sizes are static)."""
-        opts = {**self.options, "causal_attention": "static"}
-        graft(stock, self.spellings, rounding=self._rounding(), options=opts)
+        graft(stock, self.spellings, rounding=self._rounding(), options=attention.static_only(self.options))
         return self._lower(stock, list(args))
 
 
@@ -130,11 +129,8 @@ def _graft_before_ddp_splits() -> None:
         if not isinstance(g, Grafter) or g.dry_run or g._grafted_whole:
             return original(self, gm, example_inputs, **configs)
         # masks that read graph inputs are kept here: checks by position would not survive the cut
-        opts = {
-            **g.options,
-            "causal_attention": "static" if g.options.get("causal_attention", True) else False,
-        }
-        g.report.extend(graft(gm, g.spellings, rounding=g._rounding(), options=opts), frame=_frame_id())
+        rep = graft(gm, g.spellings, rounding=g._rounding(), options=attention.static_only(g.options))
+        g.report.extend(rep, frame=_frame_id())
         g._grafted_whole = True
         try:
             return original(self, gm, example_inputs, **configs)

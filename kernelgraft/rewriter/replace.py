@@ -14,7 +14,7 @@ from ..ir import CGraph, CNode
 from ..kernels import op_for, refusal
 from ..kernels.ops import pair_op_for
 from ..patterns.registry import Site
-from .attention import make_causal
+from .attention import make_causal, static_only
 from .canonicalize import canonicalize
 from .match import Failure, Match, Matcher, describe, module_path, resemble
 from .report import NearMiss, RewriteReport, SiteRecord
@@ -50,7 +50,7 @@ def _rewrite(
 ) -> torch.fx.Node:
     sp = m.spelling
     recompute = sp.recompute and options.get("recompute", True)
-    op = op_for(sp, rounding, recompute=True) if recompute else op_for(sp, rounding)
+    op = op_for(sp, rounding, recompute=recompute)
     named = {
         a: m.scalars[a] if a in sp.scalar_names else redirect.get(m.tensors[a].fx, m.tensors[a].fx)
         for a in sp.arg_names
@@ -295,12 +295,7 @@ def graft(
         # a region under torch.utils.checkpoint (Hugging Face's gradient checkpointing: one per
         # decoder layer) is a graph of its own, called through a higher-order op: graft it too. Its
         # mask arrives as an input there, and run-time checks wrap only the outer graph: static proofs
-        inner = {**options, "causal_attention": "static" if options.get("causal_attention", True) else False}
-        sub = graft(body, spellings, dry_run=dry_run, rounding=rounding, options=inner)
-        rep.sites += sub.sites
-        rep.fallbacks += sub.fallbacks
-        rep.near_misses += sub.near_misses
-        rep.masks_kept += sub.masks_kept
+        rep.add(graft(body, spellings, dry_run=dry_run, rounding=rounding, options=static_only(options)))
     return rep
 
 

@@ -87,11 +87,15 @@ class RewriteReport:
         key = frame if frame is not None else self.graphs
         for r in other.sites + other.fallbacks + other.near_misses + other.masks_kept:
             r.graph = key
+        self.add(other)
+        self.graphs += other.graphs
+
+    def add(self, other: RewriteReport) -> None:
+        """other's records into this capture's (a region of it grafted on its own)."""
         self.sites += other.sites
         self.fallbacks += other.fallbacks
         self.near_misses += other.near_misses
         self.masks_kept += other.masks_kept
-        self.graphs += other.graphs
 
     def __str__(self) -> str:
         head = ["pattern", "module", "shapes", "dtypes", "scalars", "status"]

@@ -4,6 +4,9 @@ under PyTorch's own data parallelism, at world size 1 and 2, from one command.
 Setups (`--setups`): the per-GPU batch is the one-GPU shape of benchmarks/suite.py (SHAPES, build):
   fsdp2-8b   the Llama-3.1-8B shape, 2x4096 tokens per GPU, FSDP2 (fully_shard per decoder layer,
              then the root)
+  fsdp2-8b-keep  the same with fully_shard(..., reshard_after_forward=False): a layer's gathered
+             weights stay from its forward to its backward (one all-gather per step, not two;
+             the unsharded weights held, 16 GiB for the 8B)
   ddp-1b     the Llama-3.2-1B shape, 8x2048 tokens per GPU, DistributedDataParallel
 
 A step is suite.measure_step's: forward with labels=ids (and use_cache=False: see measure()),
@@ -65,9 +68,15 @@ import suite  # noqa: E402
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
+    "fsdp2-8b-keep": dict(shape="llama-8b 2x4096", wrap="fsdp2-keep"),
     "ddp-1b": dict(shape="llama-1b 8x2048", wrap="ddp"),
 }
-WRAPPERS = {"fsdp2": "FSDP2 (fully_shard per decoder layer, then the root)", "ddp": "DDP"}
+WRAPPERS = {
+    "fsdp2": "FSDP2 (fully_shard per decoder layer, then the root)",
+    "fsdp2-keep": "FSDP2, reshard_after_forward=False (each layer's gathered weights kept from its "
+    "forward to its backward: no second all-gather, ZeRO-2's traffic)",
+    "ddp": "DDP",
+}
 # --tiny: every setup keeps its wrapper and runs this instead of its shape (float32)
 TINY_NAME = "tiny llama 2x16"
 TINY = dict(
@@ -119,9 +128,10 @@ def wrap(model, how: str, dev: torch.device):
 
         return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     fully_shard = fully_shard_fn()
+    keep = {"reshard_after_forward": False} if how == "fsdp2-keep" else {}
     for layer in model.model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **keep)
+    return fully_shard(model, **keep)
 
 
 def prepare(setup: str, mode: str, dev: torch.device, tiny: bool, world: int):
@@ -381,9 +391,12 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
 
 
 def add_scaling(rows: list[dict]) -> None:
+    """Efficiency against the one-GPU run of the same setup and mode, else of the same shape and
+    mode (at world size 1 the model runs unwrapped: setups of one shape measure the same step)."""
     one = {(r["setup"], r["mode"]): r.get("tok_s_per_gpu") for r in rows if r["world_size"] == 1}
+    by_shape = {(r.get("shape"), r["mode"]): r.get("tok_s_per_gpu") for r in rows if r["world_size"] == 1}
     for r in rows:
-        base = one.get((r["setup"], r["mode"]))
+        base = one.get((r["setup"], r["mode"])) or by_shape.get((r.get("shape"), r["mode"]))
         ok = base and r.get("tok_s_per_gpu")
         r["scaling_efficiency"] = r["tok_s_per_gpu"] / base if ok else None
 

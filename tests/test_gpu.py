@@ -145,6 +145,8 @@ def test_every_spelling_thorough_on_gpu(sp, request):
     @given(strategies.cases(sp, min_rows=low, max_width=wide, dtype_choices=dtypes_for(sp), device="cuda"))
     def check(case):
         count[0] += 1
+        if count[0] % 50 == 0:
+            print(f"{sp.qualname}: {count[0]} examples so far", flush=True)
         verdicts = check_spelling(sp, case.args, compile_ref=False)  # eager alone: the stricter bound
         bad = [str(v) for v in verdicts if not v.ok]
         assert not bad, "\n".join(bad)

@@ -50,6 +50,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 
@@ -497,7 +498,8 @@ def plot(path: str) -> str:
                 if ws > 1 and eff is not None:
                     ax.annotate(f"{eff:.0%}", (b.get_x() + b.get_width() / 2, b.get_height()),
                                 ha="center", va="bottom", fontsize=7)  # fmt: skip
-        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(modes))], modes, rotation=15, fontsize=8)
+        labels = [textwrap.fill(m, 16) for m in modes]  # long mode names on two lines, not overlapping
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(modes))], labels, fontsize=8)
         ax.set_title(f"{setup}: {mine[0]['shape']} per GPU", fontsize=9)
         ax.set_ylabel("tokens/s per GPU")
         ax.legend(fontsize=7)
@@ -553,7 +555,9 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"bench_distributed: --world-sizes wants sizes >= 1, got {a.world_sizes!r}")
     cpu = a.device == "cpu"
-    modes = [m for m in (a.modes or ",".join(CPU_MODES if cpu else GPU_MODES)).split(",") if m]
+    # commas inside a mode's parentheses ("kernelgraft (inductor, no recompute)") do not split
+    spec = a.modes or ",".join(CPU_MODES if cpu else GPU_MODES)
+    modes = [m.strip() for m in re.split(r",(?![^()]*\))", spec) if m.strip()]
     known = set(suite.MODES) | {"kernelgraft"}
     bad = [m for m in modes if m not in known and not m.startswith("kernelgraft (")]
     if bad:

@@ -14,7 +14,8 @@ loss.backward(), zero_grad(set_to_none=True), no optimizer; every rank runs its 
 (seed + rank). The first step is timed on its own (it compiles), then one warm-up step, then
 `--steps` timed steps, each between a barrier and a device synchronize. Reported per (setup, mode, world size): tokens/s per GPU (per-rank tokens over the
 slowest rank's median step), the scaling efficiency (tokens/s per GPU at world size N over world size
-1), the peak memory per GPU (max over ranks of max_memory_allocated, reset before the timed steps),
+1), the peak memory per GPU (max over ranks of max_memory_allocated, reset before the timed steps), and
+that peak above what the step starts from (weights or shards and the batch: ANCHORS.md's measure),
 the first step's seconds and its loss. At world size 1 the model is measured unwrapped: a plain
 one-GPU training step, the baseline of the scaling efficiency (setups of one shape, as with --tiny,
 share that run).
@@ -189,6 +190,9 @@ def measure(model, ids, steps: int, dev: torch.device) -> dict:
     synchronize()
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
+    # what a step starts from (this rank's weights or shards and the batch; gradients are None):
+    # ANCHORS.md counts the peak above it
+    base = torch.cuda.memory_allocated(dev) if cuda else None
     times = []
     for _ in range(steps):
         dist.barrier()
@@ -202,6 +206,7 @@ def measure(model, ids, steps: int, dev: torch.device) -> dict:
         first_step_s=first,
         loss=first_loss,
         peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
+        peak_above_start_gib=(torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else None,
     )
 
 
@@ -373,12 +378,14 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
     warning = {} if rc == 0 else dict(warning=f"torchrun exit code {rc} after every rank wrote its result")
     step_s = max(x["step_s"] for x in ranks)  # the slowest rank sets the pace
     peaks = [x["peak_gib"] for x in ranks]
+    above = [x.get("peak_above_start_gib") for x in ranks]
     r0 = ranks[0]
     return dict(
         tok_s_per_gpu=r0["tokens"] / step_s,
         step_s=step_s,
         step_s_per_rank=[x["step_s"] for x in ranks],
         peak_gib_per_gpu=None if None in peaks else max(peaks),
+        peak_above_start_gib_per_gpu=None if None in above else max(above),
         first_step_s=max(x["first_step_s"] for x in ranks),
         loss=r0["loss"],
         losses=[x["loss"] for x in ranks],
@@ -450,17 +457,19 @@ def markdown(doc: dict) -> str:
         L.append(f"- {setup}: {r0['shape']} per GPU, {WRAPPERS[r0['wrapper']]}")
     L += [
         "",
-        "| setup | mode | world size | tok/s per GPU | scaling efficiency | peak GiB per GPU | first step s | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setup | mode | world size | tok/s per GPU | scaling efficiency | peak GiB per GPU | "
+        "above the step's start | first step s | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['setup']} | {r['mode']} | {r['world_size']} |"
         if r.get("error"):
-            L.append(f"{head} failed: {r['error'][:120].replace('|', '/')} | | | | |")
+            L.append(f"{head} failed: {r['error'][:120].replace('|', '/')} | | | | | |")
             continue
         L.append(
             f"{head} {r['tok_s_per_gpu']:,.0f} | {fmt(r['scaling_efficiency'], '.2f')} | "
-            f"{fmt(r['peak_gib_per_gpu'], '.1f')} | {r['first_step_s']:.1f} | {r['loss']:.4f} |"
+            f"{fmt(r['peak_gib_per_gpu'], '.1f')} | {fmt(r.get('peak_above_start_gib_per_gpu'), '.1f')} | "
+            f"{r['first_step_s']:.1f} | {r['loss']:.4f} |"
         )
     L += ["", *summary_lines(rows)]
     L += [f"- {n}" for n in doc.get("notes", [])]

@@ -44,7 +44,9 @@ def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
     del b["patterns"]
     b["steps"] = {
         "llama-1b 8x2048": {
-            "kernelgraft (inductor)": dict(tok_s=60000.0, peak_gib=26.0, first_step_s=20.0, loss=12.0)
+            "kernelgraft (inductor)": dict(
+                tok_s=60000.0, peak_gib=26.0, peak_above_start_gib=23.7, first_step_s=20.0, loss=12.0
+            )
         }
     }
     b["curves"] = {"eager": [12.0, 11.0, 10.5], "kernelgraft (inductor)": [12.0, 11.0001, 10.5002]}
@@ -58,7 +60,7 @@ def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
     md = (out / "suite.md").read_text()
     assert "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 |" in md
     # a run from before the saved-for-backward column: "-" there
-    assert "| kernelgraft (inductor) | 60,000 | 1.20x | - | - | 26.0 | - | 20.0 |" in md
+    assert "| kernelgraft (inductor) | 60,000 | 1.20x | - | - | 26.0 | 23.7 | - | 20.0 |" in md
     assert "max relative difference 1.90e-05" in md
     for part in ("patterns", "steps", "curves"):
         png = out / f"suite_{part}.png"

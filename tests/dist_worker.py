@@ -67,7 +67,51 @@ def run(rank, world, how, port):
     dist.destroy_process_group()
 
 
+def run_recompute(port):
+    """One gloo process, DDP with a bucket per parameter (a cut between every matmul), the inductor
+    backend: what the forward saves for the backward, with recompute on and off, beside the
+    unwrapped model; and the gradients under DDP against float64 truth (the DESIGN.md rule)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    )
+    from benchlib import saved_for_backward
+    from tiny import batch, loss_and_grads, tiny_model
+
+    import kernelgraft
+    from kernelgraft.gradcheck import judge
+
+    stock = tiny_model("llama")
+    width = stock.config.intermediate_size
+    # 32 tokens, as tests/test_recompute.py: at 24 inductor's buffers put the MLP output saved for
+    # the down projection inside a storage shared with another (counted by storage, it vanished)
+    b = batch(B=2, S=16)
+    truth = copy.deepcopy(stock).to(torch.float64)
+    tl, tg = loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, "ddp"))
+    el, eg = loss_and_grads(stock, b, wrapped=wrap(stock, "ddp"))
+    for recompute in (True, False):
+        for wrapped in (False, True):
+            torch._dynamo.reset()
+            mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor", recompute=recompute)
+            run = wrap(mine, "ddp") if wrapped else mine
+            saved = saved_for_backward(run, lambda run=run: run(**b, use_cache=False).loss)
+            mlp = sum(1 for _, shape in saved.values() if shape and shape[-1] == width)
+            total = sum(n for n, _ in saved.values())
+            ok = "-"
+            if wrapped:
+                kl, kg = loss_and_grads(mine, b, wrapped=run)
+                verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
+                bad = [str(v) for v in verdicts if not v.ok]
+                ok = "ok" if not bad else "FAIL " + "; ".join(bad)
+            print(f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} grads {ok}", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    mp.spawn(run, args=(2, sys.argv[1], int(sys.argv[2])), nprocs=2)
+    if sys.argv[1] == "ddp-recompute":
+        run_recompute(int(sys.argv[2]))
+    else:
+        mp.spawn(run, args=(2, sys.argv[1], int(sys.argv[2])), nprocs=2)

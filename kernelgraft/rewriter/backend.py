@@ -4,14 +4,16 @@ then hands the rewritten graph to inductor (default) or runs it as is ("eager").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import operator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import attention
-from .replace import graft
+from .replace import RECOMPUTE_META, graft
 from .report import RewriteReport
 
 BACKENDS = ("inductor", "eager")
@@ -133,12 +135,59 @@ def _graft_before_ddp_splits() -> None:
         g.report.extend(rep, frame=_frame_id())
         g._grafted_whole = True
         try:
-            return original(self, gm, example_inputs, **configs)
+            with _recomputed_outputs_kept_with_their_readers():
+                return original(self, gm, example_inputs, **configs)
         finally:
             g._grafted_whole = False
 
     compile_fn._kernelgraft = True
     DDPOptimizer.compile_fn = compile_fn
+
+
+@contextlib.contextmanager
+def _recomputed_outputs_kept_with_their_readers():
+    """While DDPOptimizer cuts a grafted graph: a kernel call whose outputs are tagged for recompute
+    (replace._rewrite) and are all read in one later piece is moved into that piece. An output read
+    across a cut is an input of the later piece, which saves it, so its recompute would be lost:
+    with 25 MB buckets the cut falls between a 1B model's gated MLP and its down projection (32 MB of
+    weight fill a bucket), in every layer. The call's own inputs cross the cut instead; its kernel's
+    backward keeps them anyway. Outputs read in two or more pieces stay where they are (a copy per
+    piece would sum the gradient in another order than the model does)."""
+    import torch.fx.passes.split_module as sm
+
+    original = sm.split_module
+
+    def split_module(m, root_m, split_callback, *args, **kwargs):
+        moved = _moves(m.graph, split_callback)
+        if not moved:
+            return original(m, root_m, split_callback, *args, **kwargs)
+        return original(m, root_m, lambda n: moved.get(n, split_callback(n)), *args, **kwargs)
+
+    sm.split_module = split_module
+    try:
+        yield
+    finally:
+        sm.split_module = original
+
+
+def _moves(graph: torch.fx.Graph, piece_of) -> dict:
+    """node -> the later piece its recomputed kernel call (and the call's getitems) moves to."""
+    out = {}
+    for call in graph.nodes:
+        if call.op != "call_function" or not call.meta.get(RECOMPUTE_META):
+            continue
+        items = list(call.users)
+        if not items or any(u.op != "call_function" or u.target is not operator.getitem for u in items):
+            continue
+        readers = [r for i in items for r in i.users]
+        if not readers or any(r.op in ("output", "placeholder") for r in readers):
+            continue
+        here = piece_of(call)
+        there = {piece_of(r) for r in readers}
+        if len(there) == 1 and (to := there.pop()) != here and isinstance(to, int) and to > here:
+            out[call] = to
+            out.update((i, to) for i in items)
+    return out
 
 
 def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

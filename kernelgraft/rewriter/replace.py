@@ -19,6 +19,10 @@ from .canonicalize import canonicalize
 from .match import Failure, Match, Matcher, describe, module_path, resemble
 from .report import NearMiss, RewriteReport, SiteRecord
 
+# node meta key: a kernel call whose outputs kernelgraft tagged for recompute (backend keeps it with
+# the readers of its outputs when DDP cuts the graph)
+RECOMPUTE_META = "kernelgraft_recompute"
+
 
 def _site_record(m: Match) -> SiteRecord:
     sp = m.spelling
@@ -75,6 +79,7 @@ def _rewrite(
 
         call.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         call.meta["ac_graph_id"] = 1
+        call.meta[RECOMPUTE_META] = True  # ours (not the user's checkpointing): backend keeps it whole
     if "example_value" in out_fx.meta:
         new.meta["example_value"] = out_fx.meta["example_value"]
     out_fx.replace_all_uses_with(new)

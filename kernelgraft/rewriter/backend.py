@@ -146,13 +146,12 @@ def _graft_before_ddp_splits() -> None:
 
 @contextlib.contextmanager
 def _recomputed_outputs_kept_with_their_readers():
-    """While DDPOptimizer cuts a grafted graph: a kernel call whose outputs are tagged for recompute
-    (replace._rewrite) and are all read in one later piece is moved into that piece. An output read
-    across a cut is an input of the later piece, which saves it, so its recompute would be lost:
-    with 25 MB buckets the cut falls between a 1B model's gated MLP and its down projection (32 MB of
-    weight fill a bucket), in every layer. The call's own inputs cross the cut instead; its kernel's
-    backward keeps them anyway. Outputs read in two or more pieces stay where they are (a copy per
-    piece would sum the gradient in another order than the model does)."""
+    """While DDPOptimizer cuts a grafted graph: keep each kernel call whose outputs are tagged for
+    recompute (replace._rewrite) in one piece with the ops that read those outputs (_moves). An
+    output read across a cut is an input of the later piece, which saves it, so its recompute would
+    be lost: with 25 MB buckets the cut falls between a 1B model's gated MLP and its down projection
+    (32 MB of weight fill a bucket), and between its gate and up projections, which read the same
+    norm output, in every layer."""
     import torch.fx.passes.split_module as sm
 
     original = sm.split_module
@@ -171,22 +170,52 @@ def _recomputed_outputs_kept_with_their_readers():
 
 
 def _moves(graph: torch.fx.Graph, piece_of) -> dict:
-    """node -> the later piece its recomputed kernel call (and the call's getitems) moves to."""
-    out = {}
+    """node -> the piece it moves to: a recomputed kernel call (with its getitems, and slices of
+    its outputs) into the first piece that reads its outputs, and the readers in later pieces back into that one, where all
+    their other inputs are already made by then (graph inputs, or nodes of that piece or earlier
+    ones). Moving a node later past none of its readers, or earlier past none of its inputs, keeps
+    the pieces in order. A call whose readers cannot all join one piece stays where it is, with
+    its readers (a copy per piece would sum its gradient in another order than the model does)."""
+    out: dict = {}
+
+    def at(n):
+        return out.get(n, piece_of(n))
+
     for call in graph.nodes:
         if call.op != "call_function" or not call.meta.get(RECOMPUTE_META):
             continue
         items = list(call.users)
         if not items or any(u.op != "call_function" or u.target is not operator.getitem for u in items):
             continue
-        readers = [r for i in items for r in i.users]
+        # indexing an output (Hugging Face slices the final norm's output for the LM head) passes
+        # it on: the slice moves with the call, and what reads the slice counts as a reader
+        made, readers = set(items), []
+        todo = [r for i in items for r in i.users]
+        while todo:
+            r = todo.pop(0)
+            if r.op == "call_function" and r.target is operator.getitem and r.args[0] in made and r.users:
+                made.add(r)
+                todo.extend(r.users)
+            elif r not in readers:
+                readers.append(r)
         if not readers or any(r.op in ("output", "placeholder") for r in readers):
             continue
-        here = piece_of(call)
-        there = {piece_of(r) for r in readers}
-        if len(there) == 1 and (to := there.pop()) != here and isinstance(to, int) and to > here:
-            out[call] = to
-            out.update((i, to) for i in items)
+        here = at(call)
+        pieces = {at(r) for r in readers}
+        if not all(isinstance(q, int) for q in pieces) or not isinstance(here, int):
+            return {}  # not DDPOptimizer's numbering: leave the cut as it is
+        to = min(pieces)
+        late = [r for r in readers if at(r) > to]
+
+        passed = [n for n in made if n not in items]
+        ready = all(
+            a in made or a is call or a.op == "placeholder" or (isinstance(at(a), int) and at(a) <= to)
+            for r in (*passed, *late)
+            for a in r.all_input_nodes
+        )
+        if (to <= here and not late) or not ready:
+            continue
+        out.update((n, to) for n in (call, *made, *late))
     return out
 
 

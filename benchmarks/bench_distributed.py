@@ -67,6 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
+from benchlib import names  # noqa: E402
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
@@ -564,9 +565,7 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"bench_distributed: --world-sizes wants sizes >= 1, got {a.world_sizes!r}")
     cpu = a.device == "cpu"
-    # commas inside a mode's parentheses ("kernelgraft (inductor, no recompute)") do not split
-    spec = a.modes or ",".join(CPU_MODES if cpu else GPU_MODES)
-    modes = [m.strip() for m in re.split(r",(?![^()]*\))", spec) if m.strip()]
+    modes = names(a.modes or ",".join(CPU_MODES if cpu else GPU_MODES))
     known = set(suite.MODES) | {"kernelgraft"}
     bad = [m for m in modes if m not in known and not m.startswith("kernelgraft (")]
     if bad:

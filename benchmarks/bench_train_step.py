@@ -13,6 +13,7 @@ import json
 import os
 
 import torch
+from benchlib import names
 from suite import measure_step
 
 SHAPE = "llama-1b 8x2048"
@@ -28,7 +29,7 @@ def main():
     res = dict(
         date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), shape=SHAPE, results={}
     )
-    for mode in a.modes.split(","):
+    for mode in names(a.modes):
         try:
             res["results"][mode] = measure_step(SHAPE, mode, a.steps)
             torch.cuda.empty_cache()

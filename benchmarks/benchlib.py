@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+
+def names(spec: str) -> list[str]:
+    """A comma-separated list of names; a comma inside parentheses does not split
+    ("kernelgraft (inductor, no recompute),liger" is two modes)."""
+    return [m.strip() for m in re.split(r",(?![^()]*\))", spec or "") if m.strip()]
 
 
 def peak_above(fn) -> int:

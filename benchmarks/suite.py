@@ -37,7 +37,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
-from benchlib import peak_above, saved_bytes  # noqa: E402
+from benchlib import names, peak_above, saved_bytes  # noqa: E402
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
 
@@ -579,8 +579,8 @@ def main(argv=None) -> int:
     if "steps" in parts:
         doc["steps"] = {shape: {} for shape in a.shapes.split(",")}
         # Liger patches transformers' modules for the rest of the process: its runs come last
-        order = [(m, sh) for m in a.modes.split(",") if m != "liger" for sh in doc["steps"]]
-        order += [("liger", sh) for sh in doc["steps"] if "liger" in a.modes.split(",")]
+        order = [(m, sh) for m in names(a.modes) if m != "liger" for sh in doc["steps"]]
+        order += [("liger", sh) for sh in doc["steps"] if "liger" in names(a.modes)]
         for mode, shape in order:
             try:
                 r = measure_step(shape, mode, a.steps)

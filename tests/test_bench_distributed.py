@@ -59,3 +59,17 @@ def test_more_ranks_than_gpus_is_refused_with_what_to_pass(tmp_path):
     assert r.returncode != 0
     assert f"found {n}" in r.stderr and "--world-sizes" in r.stderr, r.stderr
     assert not (tmp_path / "distributed.json").exists()
+
+
+def test_mode_lists_split_outside_parentheses():
+    # "--modes 'kernelgraft (inductor),kernelgraft (inductor, no recompute)'" once split into a
+    # mode " no recompute)" and the run stopped (a GPU call's phase lost, 2026-11-30)
+    sys.path.insert(0, str(SCRIPT.parent))
+    from benchlib import names
+
+    assert names("kernelgraft (inductor),kernelgraft (inductor, no recompute), liger,") == [
+        "kernelgraft (inductor)",
+        "kernelgraft (inductor, no recompute)",
+        "liger",
+    ]
+    assert names("") == []

@@ -4,6 +4,10 @@ batch 2 and 4 accumulation steps gives the parameters that batch 8 without accum
 that passes `num_items_in_batch`."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from tiny import VOCAB, tiny_model
@@ -30,10 +34,11 @@ def collate(rows):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def train_one_step(model, per_device, accumulation, tmp_path):
+def train_one_step(model, per_device, accumulation, tmp_path, **extra):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
+        **extra,
         output_dir=str(tmp_path),
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
@@ -93,3 +98,25 @@ def test_hand_written_loop_with_num_items_in_batch():
     assert model.kernelgraft_report.counts()["lm_head_ce"] == 1
     assert max_rel_diff(acc, one) < 1e-5
     assert max_rel_diff(acc, stock_acc) < 1e-5
+
+
+def test_trainer_on_two_processes_equals_the_full_batch(tmp_path):
+    # torchrun, 2 CPU processes over gloo: the Trainer wraps the model in DDP itself, splits the 8
+    # examples between the ranks, counts num_items_in_batch over both and scales the loss by the
+    # world size before DDP averages (an incoming loss gradient of 2 for the fused LM head)
+    out = tmp_path / "params.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(Path(__file__).parent / "trainer_worker.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = torch.load(out)
+    assert got["world_size"] == 2 and got["lm_head_spellings"] == ["hf_sum_n"], got.get("lm_head_spellings")
+    stock = tiny_model("llama")
+    full = train_one_step(copy.deepcopy(stock), 8, 1, tmp_path / "full")
+    start = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    assert max_rel_diff(full, start) > 1e-3  # the step did something
+    # both ranks' halves of the batch make the one-process step, to fp32 rounding; kernelgraft's
+    # as the stock model's
+    assert max_rel_diff(got["stock"], full) < 1e-5, max_rel_diff(got["stock"], full)
+    assert max_rel_diff(got["kernelgraft"], full) < 1e-5, max_rel_diff(got["kernelgraft"], full)

@@ -346,6 +346,12 @@ def test_logits_are_withheld_explicitly_in_training():
     with pytest.raises(RuntimeError, match="without labels"):
         _ = out.logits.shape
     assert "WithheldLogits" in repr(out.logits)
+    # what DDP does to every output (with find_unused_parameters, as HF's Trainer sets it): reads
+    # its grad_fn and clones it. The clone is a marker too
+    assert out.logits.grad_fn is None and not out.logits.requires_grad
+    for copy_ in (out.logits.clone(), out.logits.detach()):
+        with pytest.raises(RuntimeError, match="keep_logits=True"):
+            copy_.sum()
     out.loss.backward()  # training goes on
 
 

@@ -84,9 +84,19 @@ WITHHELD_MESSAGE = (
 )
 
 
+# What wrappers read from every tensor a model returns without using its values: DDP (with
+# find_unused_parameters, as Hugging Face's Trainer sets it) reads each output's grad_fn and passes
+# the outputs through an autograd function that clones them.
+_INSPECTED = tuple(
+    getattr(torch.Tensor, a).__get__ for a in ("grad_fn", "requires_grad", "is_leaf", "device")
+)
+_PASSED_ON = (torch.Tensor.clone, torch.Tensor.detach)
+
+
 class WithheldLogits(torch.Tensor):
     """Stands where a training forward would have returned logits that the fused LM head never made:
-    any use raises an error that says how to get them."""
+    any use of their values raises an error that says how to get them. Autograd metadata can be
+    read, and a clone or detach gives another marker (what DDP does to a model's outputs)."""
 
     @staticmethod
     def __new__(cls):
@@ -94,6 +104,11 @@ class WithheldLogits(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _INSPECTED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func in _PASSED_ON:
+            return WithheldLogits()
         raise RuntimeError(WITHHELD_MESSAGE)
 
     def __repr__(self) -> str:

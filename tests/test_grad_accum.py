@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tiny import VOCAB, tiny_model
 
@@ -100,13 +101,15 @@ def test_hand_written_loop_with_num_items_in_batch():
     assert max_rel_diff(acc, stock_acc) < 1e-5
 
 
-def test_trainer_on_two_processes_equals_the_full_batch(tmp_path):
-    # torchrun, 2 CPU processes over gloo: the Trainer wraps the model in DDP itself, splits the 8
-    # examples between the ranks, counts num_items_in_batch over both and scales the loss by the
-    # world size before DDP averages (an incoming loss gradient of 2 for the fused LM head)
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+def test_trainer_on_two_processes_equals_the_full_batch(tmp_path, how):
+    # torchrun, 2 CPU processes over gloo: the Trainer wraps the model in DDP or FSDP2 itself, splits
+    # the 8 examples between the ranks, counts num_items_in_batch over both and scales the loss by
+    # the world size before the gradients are averaged (an incoming loss gradient of 2 for the
+    # fused LM head)
     out = tmp_path / "params.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(Path(__file__).parent / "trainer_worker.py"), str(out)]
+    cmd += [str(Path(__file__).parent / "trainer_worker.py"), str(out), how]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

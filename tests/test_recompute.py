@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
@@ -55,3 +56,49 @@ def test_gradient_checkpointing_regions_are_grafted(backend):
     bad = [str(v) for v in compare_models(mine, stock, batch(), compiled=False) if not v.ok]
     assert not bad, bad
     assert mine.kernelgraft_report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}
+
+
+def _graph_with_a_recomputed_call():
+    """x -> call (tagged for recompute) -> getitem -> three readers (a, b, c); c also reads z, which a
+    node `late` makes; and a slice of the output read by d."""
+    import operator
+
+    import torch.fx as fx
+
+    from kernelgraft.rewriter.replace import RECOMPUTE_META
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    call = g.call_function(torch.ops.aten.relu.default, (x,))
+    call.meta[RECOMPUTE_META] = True
+    out = g.call_function(operator.getitem, (call, 0))
+    a = g.call_function(torch.ops.aten.neg.default, (out,))
+    b = g.call_function(torch.ops.aten.exp.default, (out,))
+    late = g.call_function(torch.ops.aten.sin.default, (x,))
+    c = g.call_function(torch.ops.aten.add.Tensor, (out, late))
+    sl = g.call_function(operator.getitem, (out, slice(0, 1)))
+    d = g.call_function(torch.ops.aten.cos.default, (sl,))
+    g.output((a, b, c, d))
+    return dict(call=call, out=out, a=a, b=b, late=late, c=c, sl=sl, d=d)
+
+
+def test_ddp_cut_keeps_a_recomputed_call_with_its_readers():
+    # the plan applied while DDPOptimizer cuts a graph (rewriter/backend.py): pieces by number, in
+    # graph order, as DDPOptimizer numbers them
+    from kernelgraft.rewriter.backend import _moves
+
+    n = _graph_with_a_recomputed_call()
+    g = n["call"].graph
+    # readers in pieces 1, 2, 3 (and the slice's reader in 2); c's other input made in piece 3
+    piece = {n["call"]: 0, n["out"]: 0, n["a"]: 1, n["b"]: 2, n["late"]: 3, n["c"]: 3, n["sl"]: 0, n["d"]: 2}
+    moved = _moves(g, lambda x: piece[x])
+    assert moved == {}, moved  # c cannot join piece 1 (sin is made in 3): the call stays, as cut
+    # with sin made in piece 0, every reader joins piece 1, and the call, its getitem and the slice
+    piece[n["late"]] = 0
+    moved = _moves(g, lambda x: piece[x])
+    want = {k: 1 for k in ("call", "out", "sl", "b", "c", "d")}
+    assert {k: moved[v] for k, v in n.items() if v in moved} == want
+    # readers all in the call's own piece: nothing to move
+    assert _moves(g, lambda x: 0) == {}
+    # a numbering that is not DDPOptimizer's (not numbers): left alone
+    assert _moves(g, lambda x: "p") == {}

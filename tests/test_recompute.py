@@ -98,6 +98,10 @@ def test_ddp_cut_keeps_a_recomputed_call_with_its_readers():
     moved = _moves(g, lambda x: piece[x])
     want = {k: 1 for k in ("call", "out", "sl", "b", "c", "d")}
     assert {k: moved[v] for k, v in n.items() if v in moved} == want
+    # an in-place reader never moves (nor, then, the call)
+    n["c"].target = torch.ops.aten.add_.Tensor
+    assert _moves(g, lambda x: piece[x]) == {}
+    n["c"].target = torch.ops.aten.add.Tensor
     # readers all in the call's own piece: nothing to move
     assert _moves(g, lambda x: 0) == {}
     # a numbering that is not DDPOptimizer's (not numbers): left alone

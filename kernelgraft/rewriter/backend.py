@@ -172,13 +172,27 @@ def _recomputed_outputs_kept_with_their_readers():
         sm.split_module = original
 
 
+# readers that may move to an earlier piece: pure functions of their inputs (a projection, an
+# operator overload that mutates nothing), never an in-place op or one with a state
+_MOVABLE = frozenset({"linear", "matmul", "mm", "bmm", "addmm"})
+
+
+def _movable(n: torch.fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if isinstance(n.target, torch._ops.OpOverload):
+        return not n.target._schema.is_mutable
+    return getattr(n.target, "__name__", None) in _MOVABLE
+
+
 def _moves(graph: torch.fx.Graph, piece_of) -> dict:
     """node -> the piece it moves to: a recomputed kernel call (with its getitems, and slices of
-    its outputs) into the first piece that reads its outputs, and the readers in later pieces back into that one, where all
-    their other inputs are already made by then (graph inputs, or nodes of that piece or earlier
-    ones). Moving a node later past none of its readers, or earlier past none of its inputs, keeps
-    the pieces in order. A call whose readers cannot all join one piece stays where it is, with
-    its readers (a copy per piece would sum its gradient in another order than the model does)."""
+    its outputs) into the first piece that reads its outputs, and the readers in later pieces back
+    into that one, where all their other inputs are already made by then (graph inputs, or nodes
+    of that piece or earlier ones) and they are pure (_movable). Moving a node later past none of
+    its readers, or earlier past none of its inputs, keeps the pieces in order. A call whose
+    readers cannot all join one piece stays where it is, with its readers (a copy per piece would
+    sum its gradient in another order than the model does)."""
     out: dict = {}
 
     def at(n):
@@ -216,7 +230,7 @@ def _moves(graph: torch.fx.Graph, piece_of) -> dict:
             for r in (*passed, *late)
             for a in r.all_input_nodes
         )
-        if (to <= here and not late) or not ready:
+        if (to <= here and not late) or not ready or not all(_movable(r) for r in late):
             continue
         out.update((n, to) for n in (call, *made, *late))
     return out

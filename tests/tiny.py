@@ -69,20 +69,37 @@ def loss_and_grads(model, b, truth: bool = False, wrapped=None):
 
 def compare_models(optimized, stock, b, compiled=True):
     """Verdicts for the loss and every parameter gradient of `optimized` vs float64 truth, beside the
-    stock model's eager and torch.compile (inductor) runs in the same dtype: the DESIGN.md rule."""
+    stock model's eager and torch.compile (inductor) runs in the same dtype: the DESIGN.md rule.
+    `b`: a batch, or a list of batches. Over several batches each quantity is judged on all of them
+    at once (its values from every batch in one vector): the loss, one number per batch, and a
+    small gradient are then statistics of the rounding, not one draw of it."""
+    batches = b if isinstance(b, list) else [b]
     truth_model = copy.deepcopy(stock).to(torch.float64)
     if getattr(truth_model.config, "_experts_implementation", None) not in (None, "eager"):
         truth_model.config._experts_implementation = "eager"  # grouped_mm has no float64; same math
-    tl, tg = loss_and_grads(truth_model, b, truth=True)
-    el, eg = loss_and_grads(stock, b)
-    cl, cg = None, {}
+    comp = None
     if compiled:
         comp = copy.deepcopy(stock)
         comp.compile(backend="inductor")
-        with room_for_recompiles():  # tests compile many models: keep each one compiled
-            cl, cg = loss_and_grads(comp, b)
-    kl, kg = loss_and_grads(optimized, b)
-    verdicts = [judge("loss", tl, kl, el, cl)]
+    runs = {"truth": [], "eager": [], "compile": [], "kernelgraft": []}
+    for x in batches:
+        runs["truth"].append(loss_and_grads(truth_model, x, truth=True))
+        runs["eager"].append(loss_and_grads(stock, x))
+        if comp is not None:
+            with room_for_recompiles():  # tests compile many models: keep each one compiled
+                runs["compile"].append(loss_and_grads(comp, x))
+        runs["kernelgraft"].append(loss_and_grads(optimized, x))
+
+    def joined(name, key):  # one quantity over every batch (None: that reference did not run)
+        if not runs[name]:
+            return None
+        parts = [loss if key is None else grads[key] for loss, grads in runs[name]]
+        return parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+
+    tg, eg, kg = runs["truth"][0][1], runs["eager"][0][1], runs["kernelgraft"][0][1]
     assert set(kg) == set(eg) == set(tg), "the optimized model must produce a gradient for every parameter"
-    verdicts += [judge(f"grad {n}", tg[n], kg[n], eg[n], cg.get(n)) for n in tg]
+    verdicts = [judge("loss", *(joined(r, None) for r in ("truth", "kernelgraft", "eager", "compile")))]
+    verdicts += [
+        judge(f"grad {n}", *(joined(r, n) for r in ("truth", "kernelgraft", "eager", "compile"))) for n in tg
+    ]
     return verdicts

@@ -157,7 +157,10 @@ def _recomputed_outputs_kept_with_their_readers():
     original = sm.split_module
 
     def split_module(m, root_m, split_callback, *args, **kwargs):
-        moved = _moves(m.graph, split_callback)
+        try:
+            moved = _moves(m.graph, split_callback)
+        except Exception:  # noqa: BLE001 - a graph or numbering it does not know: the cut as DDP made it
+            moved = {}
         if moved:
             try:
                 return original(m, root_m, lambda n: moved.get(n, split_callback(n)), *args, **kwargs)

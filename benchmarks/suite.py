@@ -579,8 +579,9 @@ def main(argv=None) -> int:
     if "steps" in parts:
         doc["steps"] = {shape: {} for shape in a.shapes.split(",")}
         # Liger patches transformers' modules for the rest of the process: its runs come last
-        order = [(m, sh) for m in names(a.modes) if m != "liger" for sh in doc["steps"]]
-        order += [("liger", sh) for sh in doc["steps"] if "liger" in names(a.modes)]
+        modes = names(a.modes)
+        order = [(m, sh) for m in modes if m != "liger" for sh in doc["steps"]]
+        order += [("liger", sh) for sh in doc["steps"] if "liger" in modes]
         for mode, shape in order:
             try:
                 r = measure_step(shape, mode, a.steps)

@@ -32,9 +32,23 @@ def wrap(model, how):
     return fully_shard(model)
 
 
-def run(rank, world, how, port):
+def start(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def failures(truth, eager, mine) -> tuple[list[str], int]:
+    """The DESIGN.md rule on the loss and every gradient: (what fails, how many were judged), from
+    (loss, grads) of the float64 truth, the stock model and the optimized one."""
+    from kernelgraft.gradcheck import judge
+
+    (tl, tg), (el, eg), (kl, kg) = truth, eager, mine
+    verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
+    return [str(v) for v in verdicts if not v.ok], len(verdicts)
+
+
+def run(rank, world, how, port):
+    start(rank, world, port)
     import transformers.masking_utils as mu
     from tiny import batch, loss_and_grads, tiny_model
 
@@ -43,22 +57,21 @@ def run(rank, world, how, port):
     # build the causal mask under compile, as transformers 5.17 does (5.24 skips it): the attention
     # calls then carry a mask that reaches DDP's later pieces and FSDP2's layer graphs as an input
     mu._ignore_causal_mask_sdpa = lambda *a, **k: False
-    from kernelgraft.gradcheck import judge
 
     stock = tiny_model("llama")
     truth = copy.deepcopy(stock).to(torch.float64)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     b = batch(seed=rank + 1)  # each rank its own data: the gradients are averaged over both
-    tl, tg = loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, how))
-    el, eg = loss_and_grads(stock, b, wrapped=wrap(stock, how))
-    kl, kg = loss_and_grads(mine, b, wrapped=wrap(mine, how))
-    verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
-    bad = [str(v) for v in verdicts if not v.ok]
+    bad, judged = failures(
+        loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, how)),
+        loss_and_grads(stock, b, wrapped=wrap(stock, how)),
+        loss_and_grads(mine, b, wrapped=wrap(mine, how)),
+    )
     rep = mine.kernelgraft_report
     served = sum(r.replaced for r in rep.sites)
     causal = sum(c.runs[0] for c in rep.mask_checks)
     line = (
-        f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {len(verdicts)} served {served} "
+        f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {judged} served {served} "
         f"sdpa {rep.counts().get('sdpa', 0)} graphs {rep.graphs} checked causal {causal}\n"
     )
     # one write of the whole line: the two ranks share the pipe, and print() writes the text and its
@@ -71,8 +84,7 @@ def run_recompute(port):
     """One gloo process, DDP with a bucket per parameter (a cut between every matmul), the inductor
     backend: what the forward saves for the backward, with recompute on and off, beside the
     unwrapped model; and the gradients under DDP against float64 truth (the DESIGN.md rule)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    start(0, 1, port)
     sys.path.insert(
         0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     )
@@ -80,7 +92,6 @@ def run_recompute(port):
     from tiny import batch, loss_and_grads, tiny_model
 
     import kernelgraft
-    from kernelgraft.gradcheck import judge
 
     stock = tiny_model("llama")
     width = stock.config.intermediate_size
@@ -88,8 +99,10 @@ def run_recompute(port):
     # the down projection inside a storage shared with another (counted by storage, it vanished)
     b = batch(B=2, S=16)
     truth = copy.deepcopy(stock).to(torch.float64)
-    tl, tg = loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, "ddp"))
-    el, eg = loss_and_grads(stock, b, wrapped=wrap(stock, "ddp"))
+    refs = (
+        loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, "ddp")),
+        loss_and_grads(stock, b, wrapped=wrap(stock, "ddp")),
+    )
     for recompute in (True, False):
         for wrapped in (False, True):
             torch._dynamo.reset()
@@ -100,9 +113,7 @@ def run_recompute(port):
             total = sum(n for n, _ in saved.values())
             ok = "-"
             if wrapped:
-                kl, kg = loss_and_grads(mine, b, wrapped=run)
-                verdicts = [judge("loss", tl, kl, el)] + [judge(f"grad {n}", tg[n], kg[n], eg[n]) for n in tg]
-                bad = [str(v) for v in verdicts if not v.ok]
+                bad, _ = failures(*refs, loss_and_grads(mine, b, wrapped=run))
                 ok = "ok" if not bad else "FAIL " + "; ".join(bad)
             print(f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} grads {ok}", flush=True)
     dist.destroy_process_group()

@@ -50,6 +50,11 @@ def batch(seed: int = 1, B: int = 2, S: int = 12, device="cpu"):
     return dict(input_ids=ids, labels=ids)
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """t, or the whole tensor where FSDP2 left a DTensor shard."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def loss_and_grads(model, b, truth: bool = False, wrapped=None):
     """The loss of `wrapped` (default: `model` itself; or e.g. DDP(model)) on batch b and the
     gradients of `model`'s parameters, each whole (an FSDP2-sharded one gathered)."""
@@ -61,9 +66,8 @@ def loss_and_grads(model, b, truth: bool = False, wrapped=None):
     else:
         loss = run(**b).loss
     loss.backward()
-    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731 - FSDP2: a DTensor
     return loss.detach(), {
-        n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        n: whole(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None
     }
 
 

@@ -19,14 +19,9 @@ FSDP = dict(
 )
 
 
-def whole(params: dict) -> dict:
-    """FSDP2 leaves DTensor shards: each parameter gathered whole."""
-    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in params.items()}
-
-
 def main(out: str, how: str):
     from test_grad_accum import train_one_step
-    from tiny import tiny_model
+    from tiny import tiny_model, whole
 
     import kernelgraft
 
@@ -37,7 +32,8 @@ def main(out: str, how: str):
         if name == "kernelgraft":
             model = kernelgraft.optimize(model, backend="eager")
         extra = dict(ddp_backend="gloo", **(FSDP if how == "fsdp" else {}))
-        runs[name] = whole(train_one_step(model, 2, 2, os.path.join(os.path.dirname(out), name), **extra))
+        params = train_one_step(model, 2, 2, os.path.join(os.path.dirname(out), name), **extra)
+        runs[name] = {n: whole(p) for n, p in params.items()}  # FSDP2 leaves shards
         if name == "kernelgraft":
             sites = {s.spelling for s in model.kernelgraft_report.sites if s.pattern == "lm_head_ce"}
             runs["lm_head_spellings"] = sorted(sites)

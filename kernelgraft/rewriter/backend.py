@@ -229,7 +229,7 @@ def _moves(graph: torch.fx.Graph, piece_of) -> dict:
 
         passed = [n for n in made if n not in items]
         ready = all(
-            a in made or a is call or a.op == "placeholder" or (isinstance(at(a), int) and at(a) <= to)
+            a in made or a.op == "placeholder" or (isinstance(at(a), int) and at(a) <= to)
             for r in (*passed, *late)
             for a in r.all_input_nodes
         )

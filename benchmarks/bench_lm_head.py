@@ -97,6 +97,7 @@ def measure(T, H, V):
 
 
 PROFILE = False
+TRACE = None
 
 
 def tune_ce(T=1024, V=128256):
@@ -140,13 +141,22 @@ def profile(f, h, w, t) -> list:
         torch.autograd.grad(f(h, w, t), (h, w))
     torch.cuda.synchronize()
     n = 3
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         t0 = time.perf_counter()
         for _ in range(n):
             torch.autograd.grad(f(h, w, t), (h, w))
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / n * 1e3
-    rows = [(e.key, e.device_time_total / 1e3 / n, e.count // n) for e in p.key_averages()]
+    if TRACE:  # where the GPU waits for the host: a Chrome trace of the same fwd+bwd calls
+        p.export_chrome_trace(TRACE)
+    from torch.autograd import DeviceType
+
+    # the kernels themselves (host ops also carry their kernels' time: counted once, here)
+    rows = [
+        (e.key, e.device_time_total / 1e3 / n, e.count // n)
+        for e in p.key_averages()
+        if e.device_type == DeviceType.CUDA
+    ]
     rows.sort(key=lambda r: -r[1])
     for k, ms, c in rows[:12]:
         print(f"  {ms:8.2f} ms  x{c:<4d} {k[:110]}")
@@ -166,9 +176,10 @@ def main():
         "--tune-ce", action="store_true", help="time the CE kernel alone over launch configs first"
     )
     a = ap.parse_args()
-    global PROFILE
+    global PROFILE, TRACE
     PROFILE = a.profile
     os.makedirs(a.out, exist_ok=True)
+    TRACE = os.path.join(a.out, "lm_head_trace.json") if a.profile else None
     tuned = tune_ce() if a.tune_ce else None
     res = [measure(*s) for s in SHAPES]
     doc = dict(

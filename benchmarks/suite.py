@@ -156,6 +156,7 @@ def measure_pattern(name, fn, liger_name, make, floor_bytes):
             t_fb = do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
             peak = peak_above(fwd_bwd) / 2**20
             rows[impl] = dict(fwd_ms=t_f, bwd_ms=max(t_fb - t_f, 0.0), fwd_bwd_ms=t_fb, peak_mib=peak)
+            rows[impl].update(graph_time(fwd_bwd))
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
             traceback.print_exc()
             rows[impl] = dict(error=f"{type(e).__name__}: {e}"[:300])
@@ -163,6 +164,18 @@ def measure_pattern(name, fn, liger_name, make, floor_bytes):
         gc.collect()
         torch.cuda.empty_cache()
     return dict(name=name, floor_ms=floor_bytes / BW * 1e3, impls=rows)
+
+
+def graph_time(fn) -> dict:
+    """fwd+bwd replayed from a CUDA graph (triton.testing.do_bench_cudagraph): the device's time with
+    no host in the loop. do_bench's time above includes the host's (Python, dispatch, launches),
+    which at these sizes can exceed the device's; both are reported."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return dict(graph_ms=do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    except Exception as e:  # noqa: BLE001 - an implementation that cannot be captured: said, not hidden
+        return dict(graph_error=f"{type(e).__name__}: {e}"[:200])
 
 
 # ---- training steps --------------------------------------------------------------------------------
@@ -378,13 +391,25 @@ def markdown(doc) -> str:
         _table(
             L,
             f"**{r['name']}** (memory floor, fwd+bwd: {r['floor_ms']:.3f} ms)",
-            ["impl", "fwd ms", "bwd ms", "fwd+bwd ms", "vs eager", "vs compile", "vs Liger", "peak MiB"],
+            [
+                "impl",
+                "fwd ms",
+                "bwd ms",
+                "fwd+bwd ms",
+                "vs eager",
+                "vs compile",
+                "vs Liger",
+                "peak MiB",
+                "fwd+bwd ms, CUDA graph",
+                "graph vs floor",
+            ],
             r["impls"],
             "fwd_bwd_ms",
             lambda own, peer: peer / own,
-            lambda v: (
+            lambda v, floor=r["floor_ms"]: (
                 f"{v['fwd_ms']:.3f} | {v['bwd_ms']:.3f} | {v['fwd_bwd_ms']:.3f}",
-                f"{v['peak_mib']:.0f}",
+                f"{v['peak_mib']:.0f} | "
+                + (f"{v['graph_ms']:.3f} | {v['graph_ms'] / floor:.2f}x" if "graph_ms" in v else "- | -"),
             ),
         )
     for shape, modes in doc.get("steps", {}).items():

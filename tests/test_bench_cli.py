@@ -19,7 +19,11 @@ def fake_run(date="2026-11-29"):
             dict(
                 name="RMSNorm 16384x4096",
                 floor_ms=0.157,
-                impls={"eager": imp(2.7), "torch.compile": imp(0.3), "kernelgraft (inductor)": imp(0.25)},
+                impls={
+                    "eager": imp(2.7),
+                    "torch.compile": imp(0.3),
+                    "kernelgraft (inductor)": dict(imp(0.25), graph_ms=0.1884),
+                },
             )
         ],
         steps={"llama-1b 8x2048": {"eager": dict(tok_s=50000.0, peak_gib=50.0, first_step_s=2.0, loss=12.0)}},
@@ -58,7 +62,9 @@ def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
     doc = json.loads((out / "suite.json").read_text())
     assert set(doc["steps"]["llama-1b 8x2048"]) == {"eager", "kernelgraft (inductor)"}
     md = (out / "suite.md").read_text()
-    assert "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 |" in md
+    # the CUDA-graph column: the device's time, and its ratio to the memory floor (0.1884 / 0.157)
+    assert "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 | 0.188 | 1.20x |" in md
+    assert "| torch.compile | 0.100 | 0.200 | 0.300 | 9.00x | 1.00x | - | 100 | - | - |" in md
     # a run from before the saved-for-backward column: "-" there
     assert "| kernelgraft (inductor) | 60,000 | 1.20x | - | - | 26.0 | 23.7 | - | 20.0 |" in md
     assert "max relative difference 1.90e-05" in md

@@ -1,0 +1,213 @@
+"""Launch configs of the generated row kernels, swept on a GPU: device time of each forward and backward
+launch (a CUDA graph replayed: no host in the loop) for every (BLOCK_M, num_warps[, programs per SM,
+row length of the flat re-cut]) tried, next to the config `rowkernel._config` picks today.
+
+    python benchmarks/tune_rows.py [--out DIR] [--quick]    -> DIR/tune_rows.json, DIR/tune_rows.md
+
+Each config's outputs are checked against the default config's: a forward must be bitwise equal (rows
+are independent), a backward's per-element gradients too; per-column gradients (summed by a different
+number of programs) to 1e-2 relative, and their largest difference is reported."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+
+import torch
+
+from kernelgraft.kernels import rowkernel
+from kernelgraft.patterns import REGISTRY
+
+BW = 4275e9  # ANCHORS.md's device copy rate
+
+
+def cases(quick: bool):
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    out = []
+    for M, N in [(16384, 4096)] + ([] if quick else [(16384, 2048), (65536, 128)]):
+        x, w = torch.randn(M, N, **bf), torch.randn(N, **bf)
+        out.append(
+            (
+                f"RMSNorm {M}x{N}",
+                REGISTRY.get("rms_norm", "llama"),
+                [(x, w, 1e-6)],
+                [True, True],
+                2 * M * N * 2,
+                3 * M * N * 2,
+            )
+        )
+    B, S, D = 8, 2048, 128
+    q = torch.randn(B, S, 32, D, **bf).transpose(1, 2)
+    k = torch.randn(B, S, 8, D, **bf).transpose(1, 2)
+    ang = torch.randn(B, 1, S, D // 2, device="cuda").repeat(1, 1, 1, 2)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    n = (q.numel() + k.numel()) * 2
+    out.append(("RoPE q 8x32x2048x128, k 8x8x2048x128 (one launch)", REGISTRY.get("rope", "rotate_half"),
+                [(q, cos, sin), (k, cos, sin)], [True, False, False], 2 * n, 2 * n))  # fmt: skip
+    for M, N in [(16384, 14336)] + ([] if quick else [(16384, 8192)]):
+        g, u = torch.randn(M, N, **bf), torch.randn(M, N, **bf)
+        out.append(
+            (
+                f"SwiGLU {M}x{N}",
+                REGISTRY.get("gated_mlp", "silu"),
+                [(g, u)],
+                [True, True],
+                3 * M * N * 2,
+                5 * M * N * 2,
+            )
+        )
+    return out
+
+
+def trials(sp, N: int, elementwise: bool, quick: bool):
+    """(label, config patch) pairs: None is today's default."""
+    yield "default", None
+    bms, warpss, per_sms = (
+        ((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16), (1, 2, 4, 8))
+        if not quick
+        else ((1, 2, 4, 8, 16, 32), (2, 4, 8, 16), (2, 4, 8))
+    )
+    BN = rowkernel._pow2(N)
+    flat = (4096, 2048, 1024) if elementwise and not (N <= 4096 and N & (N - 1) == 0) else (None,)
+    for C in flat:
+        bn = rowkernel._pow2(C) if C else BN
+        for bm, warps in itertools.product(bms, warpss):
+            if bm * bn > 32768 or bm * bn < 32 * warps or bm * bn // (32 * warps) > 128:
+                continue
+            for per_sm in per_sms:
+                yield (
+                    f"C={C or N} BM={bm} w={warps} P/SM={per_sm}",
+                    dict(C=C, BM=bm, warps=warps, per_sm=per_sm),
+                )
+
+
+class Patched:
+    """rowkernel's launch choices replaced by one trial config while in the block."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        self.saved = rowkernel._config, rowkernel._programs, rowkernel.FLAT_ROWS
+        c = self.cfg
+        if c is None:
+            return self
+        rowkernel._config = lambda M, N, device, sums_columns=True: dict(
+            BLOCK_M=c["BM"], BLOCK_N=rowkernel._pow2(N), num_warps=c["warps"]
+        )
+        rowkernel._programs = lambda n_blocks, device: max(
+            1, min(n_blocks, c["per_sm"] * rowkernel._sm_count(device.index))
+        )
+        if c["C"]:
+            rowkernel.FLAT_ROWS = (c["C"],)
+        return self
+
+    def __exit__(self, *exc):
+        rowkernel._config, rowkernel._programs, rowkernel.FLAT_ROWS = self.saved
+
+
+def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
+    from triton.testing import do_bench_cudagraph
+
+    def fwd():
+        return rowkernel.forward_group(sp, arg_sets, rounding)
+
+    stats = [s for _, s in fwd()]
+    grads = [torch.randn_like(o) for o, _ in fwd()]
+    needs = [list(need) for _ in arg_sets]  # RoPE: q and k only (cos and sin take no gradient)
+
+    def bwd():
+        return rowkernel.backward_group(sp, grads, arg_sets, stats, needs, rounding)
+
+    ref_f, ref_b = [o for o, _ in fwd()], bwd()
+    k = rowkernel._kernel(sp, rowkernel._groups(sp, arg_sets)[0][0], rounding)
+    N = arg_sets[0][0].shape[-1]
+    kinds = rowkernel._groups(sp, arg_sets)[0][0].lay.kinds
+    col_idx = [i for i, n in enumerate(sp.tensor_names) if kinds[n] == "col"]
+    rows = {}
+    seen_fwd = {}
+    for label, cfg in trials(sp, N, k.elementwise, QUICK):
+        if cfg is not None and not col_idx and cfg["per_sm"] != (2 if QUICK else 1):
+            continue  # programs per SM only matter where a backward sums columns
+        try:
+            with Patched(cfg):
+                f_out = [o for o, _ in fwd()]
+                same_f = all(torch.equal(a, b) for a, b in zip(f_out, ref_f))
+                fkey = None if cfg is None else (cfg["C"], cfg["BM"], cfg["warps"])
+                t_f = (
+                    seen_fwd.get(fkey)
+                    if fkey in seen_fwd
+                    else do_bench_cudagraph(fwd, rep=40, return_mode="median")
+                )
+                seen_fwd[fkey] = t_f
+                b_out = bwd()
+                t_b = do_bench_cudagraph(bwd, rep=40, return_mode="median")
+            col_err, same_b = 0.0, True
+            for s_ref, s_new in zip(ref_b, b_out):
+                for i, (a, b) in enumerate(zip(s_ref, s_new)):
+                    if i in col_idx:
+                        col_err = max(
+                            col_err,
+                            ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item(),
+                        )
+                    elif not torch.equal(a, b):
+                        same_b = False
+            ok = same_f and same_b and col_err < 1e-2
+            rows[label] = dict(fwd_ms=t_f, bwd_ms=t_b, ok=ok, col_rel_diff=col_err, cfg=cfg)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile (registers): noted
+            rows[label] = dict(error=f"{type(e).__name__}: {e}"[:160], cfg=cfg)
+        print(name, label, rows[label], flush=True)
+    good = {k_: v for k_, v in rows.items() if "error" not in v and v["ok"]}
+    best_f = min(good, key=lambda k_: good[k_]["fwd_ms"])
+    best_b = min(good, key=lambda k_: good[k_]["bwd_ms"])
+    return dict(
+        name=name, fwd_floor_ms=fwd_bytes / BW * 1e3, bwd_floor_ms=bwd_bytes / BW * 1e3,
+        default=rows["default"], best_fwd=(best_f, rows[best_f]), best_bwd=(best_b, rows[best_b]),
+        bad=[k_ for k_, v in rows.items() if "error" not in v and not v["ok"]], trials=rows,
+    )  # fmt: skip
+
+
+def markdown(doc) -> str:
+    L = [f"Row-kernel launch configs, bf16, {doc['gpu']}, {doc['date']} (device time, CUDA graph replay)\n",
+         "| case | launch | floor ms | default ms | best ms | best config | best vs default |",
+         "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in doc["results"]:
+        for which in ("fwd", "bwd"):
+            d = r["default"][f"{which}_ms"]
+            label, best = r[f"best_{which}"]
+            L.append(
+                f"| {r['name']} | {which} | {r[f'{which}_floor_ms']:.3f} | {d:.3f} | {best[f'{which}_ms']:.3f} | "
+                f"{label} | {d / best[f'{which}_ms']:.2f}x |"
+            )
+        if r["bad"]:
+            L.append(
+                f"| {r['name']} | configs whose numbers differed from the default's: {', '.join(r['bad'][:6])} | | | | | |"
+            )
+    return "\n".join(L) + "\n"
+
+
+QUICK = False
+
+
+def main():
+    global QUICK
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--quick", action="store_true", help="the ANCHORS.md shapes only")
+    a = ap.parse_args()
+    QUICK = a.quick
+    os.makedirs(a.out, exist_ok=True)
+    doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=[])
+    for case in cases(a.quick):
+        doc["results"].append(run_case(*case))
+        json.dump(doc, open(os.path.join(a.out, "tune_rows.json"), "w"), indent=1)
+        open(os.path.join(a.out, "tune_rows.md"), "w").write(markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()

@@ -237,6 +237,7 @@ def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
         out["mask_checks"] = [sum(c.runs[i] for c in rep.mask_checks) for i in (0, 1)]
         out["masks_kept"] = len(rep.masks_kept)
         out["graphs"] = rep.graphs
+        out["ddp_cuts"] = rep.ddp_cuts  # DDPOptimizer's cuts: recomputed calls kept with their readers?
     if rank == 0:
         out["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         out["versions"] = ", ".join(f"{p} {version(p)}" for p in ("torch", "triton", "transformers"))
@@ -392,6 +393,7 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
         losses=[x["loss"] for x in ranks],
         tokens_per_gpu=r0["tokens"],
         sites=r0.get("sites"),
+        ddp_cuts=r0.get("ddp_cuts"),
         dynamo=r0.get("dynamo"),
         device_name=r0.get("device_name"),
         versions=r0.get("versions"),

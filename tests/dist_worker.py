@@ -115,7 +115,12 @@ def run_recompute(port):
             if wrapped:
                 bad, _ = failures(*refs, loss_and_grads(mine, b, wrapped=run))
                 ok = "ok" if not bad else "FAIL " + "; ".join(bad)
-            print(f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} grads {ok}", flush=True)
+            # nodes moved at DDP's cuts to keep recomputed calls with their readers (the report says)
+            moved = sum(c["moved"] for c in mine.kernelgraft_report.ddp_cuts)
+            print(
+                f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} grads {ok}",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

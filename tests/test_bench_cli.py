@@ -63,7 +63,9 @@ def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
     assert set(doc["steps"]["llama-1b 8x2048"]) == {"eager", "kernelgraft (inductor)"}
     md = (out / "suite.md").read_text()
     # the CUDA-graph column: the device's time, and its ratio to the memory floor (0.1884 / 0.157)
-    assert "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 | 0.188 | 1.20x |" in md
+    assert (
+        "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 | 0.188 | 1.20x |" in md
+    )
     assert "| torch.compile | 0.100 | 0.200 | 0.300 | 9.00x | 1.00x | - | 100 | - | - |" in md
     # a run from before the saved-for-backward column: "-" there
     assert "| kernelgraft (inductor) | 60,000 | 1.20x | - | - | 26.0 | 23.7 | - | 20.0 |" in md

@@ -56,8 +56,15 @@ def test_recompute_survives_ddp_cutting_the_graph():
         timeout=900,
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    rows = re.findall(r"recompute (\w+) ddp (\w+) saved (\d+) mlp (\d+) grads (ok|-|FAIL[^\n]*)", r.stdout)
-    got = {(rc == "True", ddp == "True"): (int(n), int(mlp), ok) for rc, ddp, n, mlp, ok in rows}
+    rows = re.findall(
+        r"recompute (\w+) ddp (\w+) saved (\d+) mlp (\d+) moved (\d+) grads (ok|-|FAIL[^\n]*)", r.stdout
+    )
+    got = {(rc == "True", ddp == "True"): (int(n), int(mlp), ok) for rc, ddp, n, mlp, _, ok in rows}
+    moved = {(rc == "True", ddp == "True"): int(m) for rc, ddp, _, _, m, _ in rows}
+    # the report says what the cut did: nodes moved only where calls are recomputed and DDP cuts
+    assert moved[True, True] > 0 and moved[False, True] == moved[True, False] == moved[False, False] == 0, (
+        r.stdout
+    )
     assert len(got) == 4, r.stdout
     assert got[True, True][2] == "ok" and got[False, True][2] == "ok", r.stdout  # the rule, under DDP
     # per layer (2): the MLP's gate and up, which its kernel's backward reads; its output too only

@@ -135,7 +135,7 @@ def _graft_before_ddp_splits() -> None:
         g.report.extend(rep, frame=_frame_id())
         g._grafted_whole = True
         try:
-            with _recomputed_outputs_kept_with_their_readers():
+            with _recomputed_outputs_kept_with_their_readers(g.report.ddp_cuts):
                 return original(self, gm, example_inputs, **configs)
         finally:
             g._grafted_whole = False
@@ -145,34 +145,45 @@ def _graft_before_ddp_splits() -> None:
 
 
 @contextlib.contextmanager
-def _recomputed_outputs_kept_with_their_readers():
+def _recomputed_outputs_kept_with_their_readers(log: list):
     """While DDPOptimizer cuts a grafted graph: keep each kernel call whose outputs are tagged for
     recompute (replace._rewrite) in one piece with the ops that read those outputs (_moves). An
     output read across a cut is an input of the later piece, which saves it, so its recompute would
     be lost: with 25 MB buckets the cut falls between a 1B model's gated MLP and its down projection
     (32 MB of weight fill a bucket), and between its gate and up projections, which read the same
-    norm output, in every layer."""
+    norm output, in every layer. Each cut appends what it did to `log` (the report's ddp_cuts)."""
     import torch.fx.passes.split_module as sm
 
     original = sm.split_module
 
     def split_module(m, root_m, split_callback, *args, **kwargs):
+        entry = dict(recomputed=sum(1 for n in m.graph.nodes if n.meta.get(RECOMPUTE_META)), moved=0)
+        log.append(entry)
         try:
             moved = _moves(m.graph, split_callback)
-        except Exception:  # noqa: BLE001 - a graph or numbering it does not know: the cut as DDP made it
-            moved = {}
+        except Exception as e:  # noqa: BLE001 - a graph or numbering it does not know: the cut as DDP made it
+            moved, entry["kept_ddp_cut"] = {}, f"plan failed: {type(e).__name__}: {e}"[:200]
         if moved:
             try:
-                return original(m, root_m, lambda n: moved.get(n, split_callback(n)), *args, **kwargs)
-            except Exception:  # noqa: BLE001 - pieces it would not build: DDPOptimizer's own cut, as is
-                pass
+                out = original(m, root_m, lambda n: moved.get(n, split_callback(n)), *args, **kwargs)
+                entry["moved"] = len(moved)
+                return out
+            except Exception as e:  # noqa: BLE001 - pieces it would not build: DDPOptimizer's own cut, as is
+                entry["kept_ddp_cut"] = f"split failed: {type(e).__name__}: {e}"[:200]
         return original(m, root_m, split_callback, *args, **kwargs)
 
-    sm.split_module = split_module
+    # DDPOptimizer reaches the function as torch.fx.passes.split_module.split_module (torch 2.13) or
+    # by a name imported into its own module (other releases): both are replaced while it cuts
+    import torch._dynamo.backends.distributed as ddp_mod
+
+    holders = [h for h in (sm, ddp_mod) if getattr(h, "split_module", None) is original]
+    for h in holders:
+        h.split_module = split_module
     try:
         yield
     finally:
-        sm.split_module = original
+        for h in holders:
+            h.split_module = original
 
 
 # readers that may move to an earlier piece: pure functions of their inputs (a projection, an

@@ -22,7 +22,7 @@ def fake_run(date="2026-11-29"):
                 impls={
                     "eager": imp(2.7),
                     "torch.compile": imp(0.3),
-                    "kernelgraft (inductor)": dict(imp(0.25), graph_ms=0.1884),
+                    "kernelgraft (inductor)": dict(imp(0.25), device_ms=0.1884),
                 },
             )
         ],
@@ -62,7 +62,7 @@ def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
     doc = json.loads((out / "suite.json").read_text())
     assert set(doc["steps"]["llama-1b 8x2048"]) == {"eager", "kernelgraft (inductor)"}
     md = (out / "suite.md").read_text()
-    # the CUDA-graph column: the device's time, and its ratio to the memory floor (0.1884 / 0.157)
+    # the device-time column (profiler): the kernels' time, and its ratio to the memory floor (0.1884 / 0.157)
     assert (
         "| kernelgraft (inductor) | 0.083 | 0.167 | 0.250 | 10.80x | 1.20x | - | 100 | 0.188 | 1.20x |" in md
     )

@@ -165,8 +165,11 @@ def test_gpu_launch_configs_depend_on_the_width_only():
 
     cuda = torch.device("cuda")  # only a key here: nothing is launched
     for N in (1, 7, 128, 4096, 14336, 65536):
-        seen = {tuple(sorted(_config(M, N, cuda).items())) for M in range(1, 300000, 997)}
-        assert len(seen) == 1, (N, seen)
+        for reduces in (False, True):
+            seen = {
+                tuple(sorted(_config(M, N, cuda, reduces=reduces).items())) for M in range(1, 300000, 997)
+            }
+            assert len(seen) == 1, (N, reduces, seen)
 
 
 WORKER = textwrap.dedent(

@@ -157,12 +157,18 @@ def launch_options(rounding: str, dtypes, device_type: str) -> dict:
     return {}
 
 
-def _config(M: int, N: int, device: torch.device, sums_columns: bool = True) -> dict:
+def _config(M: int, N: int, device: torch.device, sums_columns: bool = True, reduces: bool = False) -> dict:
     """Launch config of a row kernel: BLOCK_M rows of BLOCK_N per program. sums_columns: the
-    program sums its rows into per-column gradients (a backward with weight-like arguments)."""
+    program sums its rows into per-column gradients (a backward with weight-like arguments);
+    reduces: the kernel reduces along each row (a norm), so a warp's share of a row is summed in a
+    tree whose shape follows BLOCK_N and num_warps."""
     BN = _pow2(max(N, 1))
     if device.type == "cuda":
-        BM = max(1, min(16, 4096 // BN))
+        # a kernel that reduces rows takes 8192 elements per program, others 4096. Swept on an H200
+        # (benchmarks/tune_rows.py, 2026-11-30): RMSNorm 16384x4096 forward 0.084 -> 0.078 ms and
+        # backward 0.168 -> 0.132 ms with 2 rows of 4096 per program instead of 1, at the same
+        # num_warps; its outputs and gradients were bitwise those of 1 row per program
+        BM = max(1, min(16, (8192 if reduces else 4096) // BN))
         warps = 4 if BN <= 2048 else (8 if BN <= 8192 else 16)
         return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=warps)
     # interpreter: numpy does the work of a program in one go, and the Python around it costs per
@@ -181,8 +187,8 @@ MAX_PROGRAMS_CPU = 4096
 def _programs(n_blocks: int, device: torch.device) -> int:
     """Backward programs. Each writes one partial row of every per-column gradient; torch adds the
     partial rows (a tree sum), so more programs also means shorter sequential sums."""
-    if device.type == "cuda":
-        return max(1, min(n_blocks, 4 * _sm_count(device.index)))
+    if device.type == "cuda":  # 2 per SM: RMSNorm 16384x4096's backward 0.144 -> 0.132 ms against 4
+        return max(1, min(n_blocks, 2 * _sm_count(device.index)))
     return max(1, min(n_blocks, MAX_PROGRAMS_CPU))
 
 
@@ -372,7 +378,7 @@ def forward_group(
         if groups[0].lay.kinds[n] == "col":
             v = t.reshape(N)
             shared += [v, v.stride(0)]
-    cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=False)
+    cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=False, reduces=bool(k.spec.reductions))
     grid = (sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
     try:
         k.fn(_entry("fwd", len(groups)), dev)[grid](
@@ -441,7 +447,9 @@ def backward_group(
     dev = grads[0].device
     # per-column gradients: a bounded number of programs, each summing its rows; none: one per block
     has_cols = any(k == "col" for k in groups[0].lay.kinds.values())
-    cfg = _config(max(g.lay.M for g in groups), N, dev, sums_columns=has_cols)
+    cfg = _config(
+        max(g.lay.M for g in groups), N, dev, sums_columns=has_cols, reduces=bool(k.spec.reductions)
+    )
     n_blocks = max(1, sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
     nprog = _programs(n_blocks, dev) if has_cols else n_blocks
     dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)

@@ -199,11 +199,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--quick", action="store_true", help="the ANCHORS.md shapes only")
+    ap.add_argument("--only", default="", help="cases whose name contains one of these (comma-separated)")
     a = ap.parse_args()
     QUICK = a.quick
     os.makedirs(a.out, exist_ok=True)
     doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=[])
+    keep = [k for k in a.only.split(",") if k]
     for case in cases(a.quick):
+        if keep and not any(k in case[0] for k in keep):
+            continue
         doc["results"].append(run_case(*case))
         json.dump(doc, open(os.path.join(a.out, "tune_rows.json"), "w"), indent=1)
         open(os.path.join(a.out, "tune_rows.md"), "w").write(markdown(doc))

@@ -182,8 +182,20 @@ def device_time(fn, n: int = 20) -> dict:
             for _ in range(n):
                 fn()
             torch.cuda.synchronize()
-        us = sum(e.device_time_total for e in p.key_averages() if e.device_type == DeviceType.CUDA)
-        return dict(device_ms=us / 1e3 / n)
+        kernels = sorted(
+            (
+                (e.device_time_total / 1e3 / n, e.count // n, e.key[:100])
+                for e in p.key_averages()
+                if e.device_type == DeviceType.CUDA
+            ),
+            reverse=True,
+        )
+        return dict(
+            device_ms=sum(k[0] for k in kernels),
+            kernels=[
+                dict(ms=ms, count=c, kernel=k) for ms, c, k in kernels[:10]
+            ],  # where the device time goes
+        )
     except Exception as e:  # noqa: BLE001 - a diagnostic column: said, not hidden
         return dict(device_error=f"{type(e).__name__}: {e}"[:200])
 

@@ -100,7 +100,7 @@ class Patched:
         rowkernel._config = lambda M, N, device, sums_columns=True, reduces=False: dict(
             BLOCK_M=c["BM"], BLOCK_N=rowkernel._pow2(N), num_warps=c["warps"]
         )
-        rowkernel._programs = lambda n_blocks, device: max(
+        rowkernel._programs = lambda n_blocks, device, N=0: max(
             1, min(n_blocks, c["per_sm"] * rowkernel._sm_count(device.index))
         )
         if c["C"]:

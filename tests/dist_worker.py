@@ -88,6 +88,18 @@ def run_recompute(port):
     sys.path.insert(
         0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     )
+    # transformers 5.17 (the GPU host's) computes the rotary embedding under autocast(enabled=False),
+    # so its graphs hold autocast switches, and split_module then wants the pieces in graph order (on
+    # two H200s the cut failed that check and recompute was lost under DDP): do as 5.17 does here
+    from transformers.models.llama import modeling_llama
+
+    rotary = modeling_llama.LlamaRotaryEmbedding.forward
+
+    def under_autocast(self, x, position_ids):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return rotary(self, x, position_ids)
+
+    modeling_llama.LlamaRotaryEmbedding.forward = under_autocast
     from benchlib import saved_for_backward
     from tiny import batch, loss_and_grads, tiny_model
 
@@ -116,9 +128,11 @@ def run_recompute(port):
                 bad, _ = failures(*refs, loss_and_grads(mine, b, wrapped=run))
                 ok = "ok" if not bad else "FAIL " + "; ".join(bad)
             # nodes moved at DDP's cuts to keep recomputed calls with their readers (the report says)
-            moved = sum(c["moved"] for c in mine.kernelgraft_report.ddp_cuts)
+            cuts = mine.kernelgraft_report.ddp_cuts
+            moved = sum(c["moved"] for c in cuts)
+            kept = [c["kept_ddp_cut"] for c in cuts if "kept_ddp_cut" in c]  # why a plan was dropped
             print(
-                f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} grads {ok}",
+                f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} kept {kept} grads {ok}",
                 flush=True,
             )
     dist.destroy_process_group()

@@ -57,10 +57,12 @@ def test_recompute_survives_ddp_cutting_the_graph():
     )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = re.findall(
-        r"recompute (\w+) ddp (\w+) saved (\d+) mlp (\d+) moved (\d+) grads (ok|-|FAIL[^\n]*)", r.stdout
+        r"recompute (\w+) ddp (\w+) saved (\d+) mlp (\d+) moved (\d+) kept (\[.*?\]) grads (ok|-|FAIL[^\n]*)",
+        r.stdout,
     )
-    got = {(rc == "True", ddp == "True"): (int(n), int(mlp), ok) for rc, ddp, n, mlp, _, ok in rows}
-    moved = {(rc == "True", ddp == "True"): int(m) for rc, ddp, _, _, m, _ in rows}
+    got = {(rc == "True", ddp == "True"): (int(n), int(mlp), ok) for rc, ddp, n, mlp, _, _, ok in rows}
+    moved = {(rc == "True", ddp == "True"): int(m) for rc, ddp, _, _, m, _, _ in rows}
+    assert all(kept == "[]" for *_, kept, _ in rows), r.stdout  # no plan dropped for DDP's own cut
     # the report says what the cut did: nodes moved only where calls are recomputed and DDP cuts
     assert moved[True, True] > 0 and moved[False, True] == moved[True, False] == moved[False, False] == 0, (
         r.stdout

@@ -106,3 +106,49 @@ def test_ddp_cut_keeps_a_recomputed_call_with_its_readers():
     assert _moves(g, lambda x: 0) == {}
     # a numbering that is not DDPOptimizer's (not numbers): left alone
     assert _moves(g, lambda x: "p") == {}
+
+
+def test_ddp_cut_moves_keep_autocast_switches_in_place():
+    # split_module wants a graph with autocast (or grad-mode) switches cut into pieces in graph order:
+    # the moved nodes are put in piece order, and a move that would carry a node past a switch (so
+    # that it ran in another mode) is dropped with its whole group
+    import operator
+
+    import torch.fx as fx
+
+    from kernelgraft.rewriter.backend import _in_piece_order, _moves
+    from kernelgraft.rewriter.replace import RECOMPUTE_META
+
+    def graph(switch_between: bool):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        nodes = {}
+        if not switch_between:  # an autocast region before everything: nothing crosses it
+            nodes["enter"] = g.call_function(torch.amp._enter_autocast, ("cpu", None, False, None))
+            nodes["exit"] = g.call_function(torch.amp._exit_autocast, (nodes["enter"],))
+        nodes["call"] = g.call_function(torch.ops.aten.relu.default, (x,))
+        nodes["call"].meta[RECOMPUTE_META] = True
+        nodes["out"] = g.call_function(operator.getitem, (nodes["call"], 0))
+        nodes["mid"] = g.call_function(torch.ops.aten.sin.default, (x,))
+        if switch_between:  # a region between the call and its reader
+            nodes["enter"] = g.call_function(torch.amp._enter_autocast, ("cpu", None, False, None))
+            nodes["exit"] = g.call_function(torch.amp._exit_autocast, (nodes["enter"],))
+        nodes["a"] = g.call_function(torch.ops.aten.neg.default, (nodes["out"],))
+        g.output((nodes["a"], nodes["mid"]))
+        return g, nodes
+
+    for switch_between in (False, True):
+        g, n = graph(switch_between)
+        # DDPOptimizer's numbering: in graph order; the reader a is in the last piece
+        piece = {n["call"]: 0, n["out"]: 0, n["mid"]: 0, n["a"]: 2}
+        piece.update({n["enter"]: 1, n["exit"]: 1} if switch_between else {n["enter"]: 0, n["exit"]: 0})
+        moved = _moves(g, piece.__getitem__)
+        assert moved == {n["call"]: 2, n["out"]: 2}, moved  # the call joins its reader
+        kept = _in_piece_order(g, piece.__getitem__, moved)
+        final = [kept.get(v, piece.get(v)) for v in g.nodes if v.op == "call_function"]
+        assert final == sorted(final), final  # pieces in graph order, as split_module checks
+        order = [v for v in g.nodes if v.op == "call_function"]
+        if switch_between:  # relu would move past the region's switches: it stays, as DDP cut it
+            assert kept == {} and order.index(n["call"]) < order.index(n["enter"])
+        else:  # relu moves after sin, into its reader's piece
+            assert kept == moved and order.index(n["mid"]) < order.index(n["call"]) < order.index(n["a"])

@@ -157,19 +157,30 @@ def launch_options(rounding: str, dtypes, device_type: str) -> dict:
     return {}
 
 
+# A row-reducing kernel's backward that sums columns (RMSNorm's weight gradient): (BLOCK_M, programs
+# per SM) by row width, swept on an H200 (benchmarks/tune_rows.py, 2026-11-30) among configs whose
+# numbers are bitwise the default's (the same num_warps): 4096 wide 0.168 -> 0.132 ms, 2048 wide (the
+# Llama-3.2-1B's) 0.108 -> 0.082 ms. Other widths keep the general rule.
+TUNED_COLUMN_SUMS = {4096: (2, 2), 2048: (1, 4)}
+
+
 def _config(M: int, N: int, device: torch.device, sums_columns: bool = True, reduces: bool = False) -> dict:
     """Launch config of a row kernel: BLOCK_M rows of BLOCK_N per program. sums_columns: the
     program sums its rows into per-column gradients (a backward with weight-like arguments);
-    reduces: the kernel reduces along each row (a norm), so a warp's share of a row is summed in a
-    tree whose shape follows BLOCK_N and num_warps."""
+    reduces: the kernel reduces along each row (a norm)."""
     BN = _pow2(max(N, 1))
     if device.type == "cuda":
-        # a kernel that reduces rows takes 8192 elements per program, others 4096. Swept on an H200
-        # (benchmarks/tune_rows.py, 2026-11-30): RMSNorm 16384x4096 forward 0.084 -> 0.078 ms and
-        # backward 0.168 -> 0.132 ms with 2 rows of 4096 per program instead of 1, at the same
-        # num_warps; its outputs and gradients were bitwise those of 1 row per program
-        BM = max(1, min(16, (8192 if reduces else 4096) // BN))
         warps = 4 if BN <= 2048 else (8 if BN <= 8192 else 16)
+        if reduces and sums_columns and BN in TUNED_COLUMN_SUMS:
+            BM = TUNED_COLUMN_SUMS[BN][0]
+        elif reduces:
+            # 8192 elements per program (same sweep): RMSNorm forward 4096 wide 0.084 -> 0.078 ms
+            # with 2 rows, 2048 wide 0.043 -> 0.040 ms with 4; num_warps unchanged (same numbers)
+            BM = max(1, min(16, 8192 // BN))
+        else:
+            BM = max(1, min(16, 4096 // BN))
+            if BN <= 128:  # RoPE's rows (head dims), no reduction: 2 warps (64 wide: forward 0.066
+                warps = 2  # -> 0.056 ms, backward 0.079 -> 0.063; 128 wide: 0.110 -> 0.107, 0.120 -> 0.116)
         return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=warps)
     # interpreter: numpy does the work of a program in one go, and the Python around it costs per
     # program, so blocks are large (32768 elements: RoPE's 32-wide rows 1024 at a time). But numpy
@@ -184,11 +195,12 @@ def _config(M: int, N: int, device: torch.device, sums_columns: bool = True, red
 MAX_PROGRAMS_CPU = 4096
 
 
-def _programs(n_blocks: int, device: torch.device) -> int:
+def _programs(n_blocks: int, device: torch.device, N: int = 0) -> int:
     """Backward programs. Each writes one partial row of every per-column gradient; torch adds the
     partial rows (a tree sum), so more programs also means shorter sequential sums."""
-    if device.type == "cuda":  # 2 per SM: RMSNorm 16384x4096's backward 0.144 -> 0.132 ms against 4
-        return max(1, min(n_blocks, 2 * _sm_count(device.index)))
+    if device.type == "cuda":
+        per_sm = TUNED_COLUMN_SUMS.get(_pow2(max(N, 1)), (0, 4))[1]
+        return max(1, min(n_blocks, per_sm * _sm_count(device.index)))
     return max(1, min(n_blocks, MAX_PROGRAMS_CPU))
 
 
@@ -451,7 +463,7 @@ def backward_group(
         max(g.lay.M for g in groups), N, dev, sums_columns=has_cols, reduces=bool(k.spec.reductions)
     )
     n_blocks = max(1, sum(_cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
-    nprog = _programs(n_blocks, dev) if has_cols else n_blocks
+    nprog = _programs(n_blocks, dev, N if k.spec.reductions else 0) if has_cols else n_blocks
     dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)
     col_bufs = {
         n: torch.zeros((nprog, N), dtype=torch.float32, device=dev) if need else dummy

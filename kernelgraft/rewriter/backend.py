@@ -164,12 +164,15 @@ def _recomputed_outputs_kept_with_their_readers(log: list):
         except Exception as e:  # noqa: BLE001 - a graph or numbering it does not know: the cut as DDP made it
             moved, entry["kept_ddp_cut"] = {}, f"plan failed: {type(e).__name__}: {e}"[:200]
         if moved:
+            before = list(m.graph.nodes)
             try:
+                moved = _in_piece_order(m.graph, split_callback, moved)
                 out = original(m, root_m, lambda n: moved.get(n, split_callback(n)), *args, **kwargs)
                 entry["moved"] = len(moved)
                 return out
             except Exception as e:  # noqa: BLE001 - pieces it would not build: DDPOptimizer's own cut, as is
                 entry["kept_ddp_cut"] = f"split failed: {type(e).__name__}: {e}"[:200]
+                _relink(before)
         return original(m, root_m, split_callback, *args, **kwargs)
 
     # DDPOptimizer reaches the function as torch.fx.passes.split_module.split_module (torch 2.13) or
@@ -197,6 +200,9 @@ def _movable(n: torch.fx.Node) -> bool:
     if isinstance(n.target, torch._ops.OpOverload):
         return not n.target._schema.is_mutable
     return getattr(n.target, "__name__", None) in _MOVABLE
+
+
+_GROUP = "kernelgraft_ddp_move"  # node.meta: the recomputed call whose move a node is part of
 
 
 def _moves(graph: torch.fx.Graph, piece_of) -> dict:
@@ -246,8 +252,54 @@ def _moves(graph: torch.fx.Graph, piece_of) -> dict:
         )
         if (to <= here and not late) or not ready or not all(_movable(r) for r in late):
             continue
-        out.update((n, to) for n in (call, *made, *late))
+        for n in (call, *made, *late):
+            n.meta[_GROUP] = call.name
+            out[n] = to
     return out
+
+
+def _global_state(n: torch.fx.Node) -> bool:
+    """An autocast or grad-mode switch: split_module keeps its effect per piece only when the pieces
+    come in graph order, and the ops around it must stay on their side of it."""
+    return n.op == "call_function" and n.target in (
+        torch.amp._enter_autocast,
+        torch.amp._exit_autocast,
+        torch._C._set_grad_enabled,
+    )
+
+
+def _in_piece_order(graph: torch.fx.Graph, piece_of, moved: dict) -> dict:
+    """The moves (node -> piece) kept and the graph's nodes reordered so that pieces come in graph
+    order, as split_module requires of a graph with autocast or grad-mode switches (Hugging Face's
+    rotary embedding computes under autocast(enabled=False) in transformers 5.17; the two-H200 run
+    failed its check, 2026-11-30). A node moved past such a switch would change the mode it runs
+    in: its whole group (a call, its getitems, its moved readers) stays where DDP put it. Raises
+    when the order found is not a valid graph (the caller then keeps DDPOptimizer's cut)."""
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    idx = {n: i for i, n in enumerate(nodes)}
+    states = [n for n in nodes if _global_state(n)]
+    groups: dict = {}
+    for n, to in moved.items():  # a group: the nodes moved to one piece for one call
+        groups.setdefault(n.meta.get(_GROUP), []).append((n, to))
+    kept = {}
+    for members in groups.values():
+        if all(
+            (idx[n] < idx[s]) == ((to, idx[n]) < (piece_of(s), idx[s])) for n, to in members for s in states
+        ):
+            kept.update(members)
+    order = sorted(nodes, key=lambda n: (kept.get(n, piece_of(n)), idx[n]))
+    head = [n for n in graph.nodes if n.op == "placeholder"] + [n for n in graph.nodes if n.op == "get_attr"]
+    tail = [n for n in graph.nodes if n.op == "output"]
+    _relink(head + order + tail)
+    graph.lint()  # every input made before it is read
+    return kept
+
+
+def _relink(order: list) -> None:
+    """The graph's nodes in this order."""
+    for a, b in zip(order, order[1:]):
+        if a.next is not b:
+            a.append(b)
 
 
 def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

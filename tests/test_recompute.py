@@ -152,3 +152,45 @@ def test_ddp_cut_moves_keep_autocast_switches_in_place():
             assert kept == {} and order.index(n["call"]) < order.index(n["enter"])
         else:  # relu moves after sin, into its reader's piece
             assert kept == moved and order.index(n["mid"]) < order.index(n["call"]) < order.index(n["a"])
+
+
+def test_an_output_only_returned_is_not_recomputed(monkeypatch):
+    # recompute is for outputs the graph reads on (the projections after a norm or a gated MLP):
+    # a site whose output only leaves the graph is not tagged, and its forward kernel runs once per
+    # forward + backward; read by a matmul, it is tagged and runs again in the backward
+    from kernelgraft.kernels import rowkernel
+    from kernelgraft.rewriter.replace import RECOMPUTE_META
+
+    calls = []
+    forward = rowkernel.forward_group
+    monkeypatch.setattr(rowkernel, "forward_group", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+
+    def norm(x, w):
+        h = x.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    tagged = []  # per capture: the sites tagged, as the graph reaches inductor
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    p = torch.randn(32, 8, requires_grad=True)
+    for fn, want_tags, want_calls in ((norm, 0, 1), (lambda x, w: norm(x, w) @ p, 1, 2)):
+        torch._dynamo.reset()
+        grafter = kernelgraft.Grafter("inductor")
+        lower = grafter._lower
+
+        def spy(gm, example_inputs, lower=lower):
+            tagged.append(sum(1 for n in gm.graph.nodes if n.meta.get(RECOMPUTE_META)))
+            return lower(gm, example_inputs)
+
+        grafter._lower = spy
+        f = torch.compile(fn, backend=grafter, dynamic=False)
+        y = f(x, w)
+        calls.clear()
+        y = f(x, w)
+        torch.autograd.grad(y.sum(), (x, w))
+        assert grafter.report.counts() == {"rms_norm": 1}
+        assert tagged[-1] == want_tags and len(calls) == want_calls, (tagged, calls)
+        want = torch.autograd.grad(fn(x, w).sum(), (x, w))  # the numbers: the spelling's own
+        got = torch.autograd.grad(f(x, w).sum(), (x, w))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

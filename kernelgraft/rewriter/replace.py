@@ -53,7 +53,12 @@ def _rewrite(
     gm: torch.fx.GraphModule, m: Match, redirect: dict, rounding: str, options: dict
 ) -> torch.fx.Node:
     sp = m.spelling
-    recompute = sp.recompute and options.get("recompute", True)
+    # recompute only an output the graph reads on: one that only leaves the graph is never saved for
+    # the backward, and the tag would make the partitioner run the forward again just for the row
+    # statistics its backward keeps (seen on an H200: RMSNorm and SwiGLU alone ran their forward
+    # twice per fwd+bwd)
+    read_on = any(u.op != "output" for u in m.output.fx.users)
+    recompute = sp.recompute and options.get("recompute", True) and read_on
     op = op_for(sp, rounding, recompute=recompute)
     named = {
         a: m.scalars[a] if a in sp.scalar_names else redirect.get(m.tensors[a].fx, m.tensors[a].fx)

@@ -566,6 +566,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="ANCHORS.md shapes only, no sweep")
     ap.add_argument(
+        "--only", default="", help="pattern cases whose name contains one of these (comma-separated)"
+    )
+    ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="break N training steps down by kernel class"
     )
     ap.add_argument("--plot", metavar="JSON", help="only make the PNG plots of an earlier run")
@@ -615,7 +618,10 @@ def main(argv=None) -> int:
     parts = a.parts.split(",")
     if "patterns" in parts:
         doc["patterns"] = []
+        keep = [k for k in a.only.split(",") if k]
         for case in pattern_cases(a.quick):
+            if keep and not any(k in case[0] for k in keep):
+                continue
             doc["patterns"].append(measure_pattern(*case))
             save()
     if "lm_head" in parts:

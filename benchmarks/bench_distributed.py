@@ -26,11 +26,16 @@ a fresh process per run keeps every mode clean). A run that fails (exception, OO
 an error row; the others still run. Results merge into DIR/distributed.json (rewritten after every
 run; an earlier file in DIR is kept and updated, so a long benchmark can be split over several
 commands with the same --out; `--fresh` starts over; or give each command its own --out and join
-them with --merge) and DIR/distributed.md.
+them with --merge) and DIR/distributed.md. `--repeat N` runs every (setup, world size, mode) N
+times, the modes taking turns (run 1 of each mode, then run 2 of each...): a row is then the median
+run, with every run's tokens/s; the summary says when the fastest mode's runs overlap another's.
+On the lent H200 hosts the same mode moves 2-4 % between runs, more than kernelgraft and Liger
+differ: a verdict between them needs this.
 
     # 2 GPUs of one host (NVLink multicast is switched off in every child: see NO_MULTICAST)
     python benchmarks/bench_distributed.py --out DIR [--setups fsdp2-8b,ddp-1b] \\
-        [--modes "eager,torch.compile,kernelgraft (inductor),liger"] [--world-sizes 1,2] [--steps 5]
+        [--modes "eager,torch.compile,kernelgraft (inductor),liger"] [--world-sizes 1,2] [--steps 5] \\
+        [--repeat 3]
     # CPU smoke test, no GPU: gloo, a tiny Llama in float32, Triton's interpreter
     python benchmarks/bench_distributed.py --out DIR --device cpu --tiny --steps 2 \\
         --modes "eager,kernelgraft (eager)"
@@ -329,8 +334,9 @@ def log_tail(path: str, n: int = 25) -> str:
         return ""
 
 
-def launch(a, setup: str, world: int, mode: str) -> dict:
-    run_dir = os.path.abspath(os.path.join(a.out, "runs", slug(f"{setup} ws{world} {mode}")))
+def launch(a, setup: str, world: int, mode: str, turn: int = 0) -> dict:
+    name = f"{setup} ws{world} {mode}" + (f" run{turn + 1}" if a.repeat > 1 else "")
+    run_dir = os.path.abspath(os.path.join(a.out, "runs", slug(name)))
     os.makedirs(run_dir, exist_ok=True)
     for name in os.listdir(run_dir):
         os.remove(os.path.join(run_dir, name))
@@ -401,6 +407,20 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
     )
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The row of several runs of one (setup, world size, mode): the run with the median tok/s (the
+    lower of the two middle ones), with every successful run's tok/s in `tok_s_runs`. A failed run
+    is left out; if every run failed, the last one's row, failure and all."""
+    ok = sorted((r for r in runs if r.get("tok_s_per_gpu")), key=lambda r: r["tok_s_per_gpu"])
+    if not ok:
+        return runs[-1]
+    row = dict(ok[(len(ok) - 1) // 2])
+    if len(runs) > 1:
+        row["tok_s_runs"] = [r["tok_s_per_gpu"] for r in runs if r.get("tok_s_per_gpu")]
+        row["runs_failed"] = len(runs) - len(ok)
+    return row
+
+
 def add_scaling(rows: list[dict]) -> None:
     """Efficiency against the one-GPU run of the same setup and mode, else of the same shape and
     mode (at world size 1 the model runs unwrapped: setups of one shape measure the same step)."""
@@ -419,6 +439,14 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _overlap(a, b) -> bool:
+    """Two modes' runs (tok/s each) overlap: one's slowest is below the other's fastest and back.
+    Single runs (no spread measured) never count as overlapping."""
+    if not a or not b or len(a) < 2 or len(b) < 2:
+        return False
+    return min(a) <= max(b) and min(b) <= max(a)
+
+
 def summary_lines(rows: list[dict]) -> list[str]:
     out = []
     for setup in dict.fromkeys(r["setup"] for r in rows):
@@ -429,6 +457,15 @@ def summary_lines(rows: list[dict]) -> list[str]:
         top = max(r["world_size"] for r in mine)
         best = max((r for r in mine if r["world_size"] == top), key=lambda r: r["tok_s_per_gpu"])
         line = f"- {setup}, world size {top}: fastest is {best['mode']} ({best['tok_s_per_gpu']:,.0f} tok/s per GPU)"
+        tied = [
+            r["mode"]
+            for r in mine
+            if r is not best
+            and r["world_size"] == top
+            and _overlap(r.get("tok_s_runs"), best.get("tok_s_runs"))
+        ]
+        if tied:
+            line += f", but its runs overlap those of {', '.join(tied)}: not ahead of them"
         for r in mine:
             if r["mode"].startswith("kernelgraft") and r["world_size"] == top and top > 1:
                 eff = r["scaling_efficiency"]
@@ -469,8 +506,10 @@ def markdown(doc: dict) -> str:
         if r.get("error"):
             L.append(f"{head} failed: {r['error'][:120].replace('|', '/')} | | | | | |")
             continue
+        spread = r.get("tok_s_runs") or []
+        runs = f" ({min(spread):,.0f}-{max(spread):,.0f} over {len(spread)} runs)" if len(spread) > 1 else ""
         L.append(
-            f"{head} {r['tok_s_per_gpu']:,.0f} | {fmt(r['scaling_efficiency'], '.2f')} | "
+            f"{head} {r['tok_s_per_gpu']:,.0f}{runs} | {fmt(r['scaling_efficiency'], '.2f')} | "
             f"{fmt(r['peak_gib_per_gpu'], '.1f')} | {fmt(r.get('peak_above_start_gib_per_gpu'), '.1f')} | "
             f"{r['first_step_s']:.1f} | {r['loss']:.4f} |"
         )
@@ -533,6 +572,13 @@ def parse(argv):
     )
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per (setup, world size, mode), the modes taking turns: a row is the median run, "
+        "with every run's tok/s (the host drifts between runs; turns spread the drift over the modes)",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun (one setup, size, mode)")
     ap.add_argument("--seed", type=int, default=0, help="rank r's batch comes from seed + r")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -566,6 +612,8 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
         ) from None
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"bench_distributed: --world-sizes wants sizes >= 1, got {a.world_sizes!r}")
+    if a.repeat < 1:
+        raise SystemExit(f"bench_distributed: --repeat wants 1 or more runs per mode, got {a.repeat}")
     cpu = a.device == "cpu"
     modes = names(a.modes or ",".join(CPU_MODES if cpu else GPU_MODES))
     known = set(suite.MODES) | {"kernelgraft"}
@@ -675,21 +723,25 @@ def main(argv=None) -> int:
     setups, worlds, modes, notes = check(a)
     os.makedirs(a.out, exist_ok=True)
     doc, path = load_doc(a, notes)
-    runs = [(s, w, m) for s in setups for w in worlds for m in modes]
+    # with --repeat the modes take turns: run 1 of every mode, then run 2 of every mode, ...
+    runs = [(s, w, t, m) for s in setups for w in worlds for t in range(a.repeat) for m in modes]
     unwrapped = {}  # world size 1 runs no wrapper: setups of one shape (all, with --tiny) share that run
-    for i, (setup, world, mode) in enumerate(runs, 1):
-        key = (shape_of(a, setup), mode)
+    turns: dict = {}  # (setup, world size, mode) -> its runs so far
+    for i, (setup, world, turn, mode) in enumerate(runs, 1):
+        key = (shape_of(a, setup), mode, turn)
         if world == 1 and key in unwrapped:
             first = unwrapped[key]
             row = {**first, "setup": setup, "wrapper": SETUPS[setup]["wrap"], "same_run_as": first["setup"]}
         else:
-            row = launch(a, setup, world, mode)
+            row = launch(a, setup, world, mode, turn)
             if world == 1:
                 unwrapped[key] = row
         if row.get("error"):
             print(log_tail(os.path.join(a.out, row["log"])), flush=True)
         report(i, len(runs), row)
-        upsert(doc["rows"], row)
+        done = turns.setdefault((setup, world, mode), [])
+        done.append(row)
+        upsert(doc["rows"], median_run(done))
         save(doc, path)
     print("\n" + markdown(doc))
     print(f"wrote {path} and {os.path.join(a.out, 'distributed.md')}")

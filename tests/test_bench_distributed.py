@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_distributed.py"
 MODES = ("eager", "kernelgraft (eager)")
 SETUPS = ("ddp-1b",)
@@ -73,3 +75,59 @@ def test_mode_lists_split_outside_parentheses():
         "liger",
     ]
     assert names("") == []
+
+
+def test_repeated_runs_take_turns_and_a_row_is_the_median_run(tmp_path, monkeypatch):
+    # --repeat: the modes take turns (run 1 of each, then run 2 of each), so the host's drift between
+    # runs falls on every mode alike; a row is the median run with every run's tok/s, and a mode whose
+    # runs overlap the fastest one's is said not to be behind it
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_distributed as bd
+
+    def run(mode, tok, turn):
+        return dict(setup="ddp-1b", shape="s", wrapper="ddp", mode=mode, world_size=2, tok_s_per_gpu=tok,
+                    step_s=1.0, first_step_s=1.0, loss=1.0, peak_gib_per_gpu=1.0, turn=turn)  # fmt: skip
+
+    kg = [run("kernelgraft (inductor)", t, i) for i, t in enumerate((64000.0, 66000.0, 65000.0))]
+    lg = [run("liger", t, i) for i, t in enumerate((65500.0, 64500.0, 65200.0))]
+    row = bd.median_run(kg)
+    assert (
+        row["tok_s_per_gpu"] == 65000.0
+        and row["turn"] == 2
+        and row["tok_s_runs"] == [64000.0, 66000.0, 65000.0]
+    )
+    failed = dict(kg[0], tok_s_per_gpu=None, error="timeout")
+    assert bd.median_run([failed, kg[1]])["tok_s_per_gpu"] == 66000.0  # a failed run is left out
+    assert bd.median_run([failed])["error"] == "timeout"
+    rows = [bd.median_run(kg), bd.median_run(lg)]
+    bd.add_scaling(rows)
+    doc = dict(rows=rows, date="d", steps=5, notes=[])
+    md = bd.markdown(doc)
+    assert "| 65,200 (64,500-65,500 over 3 runs) |" in md, md
+    assert (
+        "fastest is liger (65,200 tok/s per GPU), but its runs overlap those of kernelgraft (inductor)" in md
+    )
+    # apart: no overlap said
+    lg_fast = [run("liger", t, i) for i, t in enumerate((67000.0, 68000.0, 67500.0))]
+    rows = [bd.median_run(kg), bd.median_run(lg_fast)]
+    bd.add_scaling(rows)
+    assert "overlap" not in bd.markdown(dict(doc, rows=rows))
+    # the order of the runs: turns, each turn every mode (launches recorded, not run)
+    order = []
+    speeds = iter([100.0, 200.0, 300.0, 400.0, 500.0, 600.0])
+
+    def fake_launch(a, setup, world, mode, turn=0):
+        order.append((mode, turn))
+        return run(mode, next(speeds), turn) | dict(setup=setup, world_size=world, wall_s=1.0, log="log.txt")
+
+    monkeypatch.setattr(bd, "launch", fake_launch)
+    args = ["--out", str(tmp_path), "--device", "cpu", "--tiny", "--setups", "ddp-1b", "--world-sizes", "2"]
+    assert bd.main(args + ["--modes", "eager,kernelgraft (eager)", "--repeat", "3"]) == 0
+    assert order == [(m, t) for t in range(3) for m in ("eager", "kernelgraft (eager)")]
+    rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
+    assert {r["mode"]: r["tok_s_runs"] for r in rows} == {
+        "eager": [100.0, 300.0, 500.0],
+        "kernelgraft (eager)": [200.0, 400.0, 600.0],
+    }
+    with pytest.raises(SystemExit, match="--repeat wants 1 or more"):
+        bd.check(bd.parse(["--repeat", "0", "--device", "cpu", "--tiny"]))

@@ -166,7 +166,7 @@ def pattern(
     `recompute=True` (row kernels): the output is cheap to make again from the inputs, which the
     kernel's backward keeps anyway; with the inductor backend it is then recomputed in the backward
     instead of being saved for the ops that read it (a gated MLP's output, which the down
-    projection would save for its weight gradient).
+    projection would save for its weight gradient). Only where the graph reads the output on.
 
     >>> import torch, kernelgraft
     >>> from kernelgraft import Scalar

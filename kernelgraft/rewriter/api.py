@@ -41,7 +41,8 @@ def optimize(
     kernelgraft/rewriter/attention.py). `recompute` (default on; inductor backend): the outputs of
     the gated MLP and RMSNorm kernels are made again in the backward from the inputs their own
     backward keeps, instead of being saved for the matmuls that read them (at the Llama-3.2-1B
-    step: 16384 x 8192 bf16 per MLP, 16 of them: 4 GiB), for one elementwise pass per site.
+    step: 16384 x 8192 bf16 per MLP, 16 of them: 4 GiB), for one elementwise pass per site. A
+    site whose output nothing in the graph reads (it only leaves the graph) is not recomputed.
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)

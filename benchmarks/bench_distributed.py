@@ -335,8 +335,8 @@ def log_tail(path: str, n: int = 25) -> str:
 
 
 def launch(a, setup: str, world: int, mode: str, turn: int = 0) -> dict:
-    name = f"{setup} ws{world} {mode}" + (f" run{turn + 1}" if a.repeat > 1 else "")
-    run_dir = os.path.abspath(os.path.join(a.out, "runs", slug(name)))
+    label = f"{setup} ws{world} {mode}" + (f" run{turn + 1}" if a.repeat > 1 else "")
+    run_dir = os.path.abspath(os.path.join(a.out, "runs", slug(label)))
     os.makedirs(run_dir, exist_ok=True)
     for name in os.listdir(run_dir):
         os.remove(os.path.join(run_dir, name))

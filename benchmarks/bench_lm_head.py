@@ -17,7 +17,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from benchlib import peak_above
+from benchlib import cuda_kernels, peak_above
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -149,20 +149,12 @@ def profile(f, h, w, t) -> list:
         wall = (time.perf_counter() - t0) / n * 1e3
     if TRACE:  # where the GPU waits for the host: a Chrome trace of the same fwd+bwd calls
         p.export_chrome_trace(TRACE)
-    from torch.autograd import DeviceType
-
-    # the kernels themselves (host ops also carry their kernels' time: counted once, here)
-    rows = [
-        (e.key, e.device_time_total / 1e3 / n, e.count // n)
-        for e in p.key_averages()
-        if e.device_type == DeviceType.CUDA
-    ]
-    rows.sort(key=lambda r: -r[1])
-    for k, ms, c in rows[:12]:
+    rows = cuda_kernels(p, n)
+    for ms, c, k in rows[:12]:
         print(f"  {ms:8.2f} ms  x{c:<4d} {k[:110]}")
-    busy = sum(r[1] for r in rows)
+    busy = sum(ms for ms, _, _ in rows)
     print(f"  {busy:8.2f} ms  device time per fwd+bwd; wall {wall:.2f} ms back to back ({n} in a row)")
-    return [dict(kernel=k[:200], ms=ms, count=c) for k, ms, c in rows[:20]] + [
+    return [dict(kernel=k[:200], ms=ms, count=c) for ms, c, k in rows[:20]] + [
         dict(kernel="(total device time)", ms=busy, count=0),
         dict(kernel="(wall, back to back)", ms=wall, count=n),
     ]

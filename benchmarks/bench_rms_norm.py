@@ -14,7 +14,7 @@ import json
 import os
 
 import torch
-from benchlib import peak_above
+from benchlib import peak_above, profile_kernels
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -80,20 +80,7 @@ def measure(M, N, dtype=torch.bfloat16):
 
 def kernel_times(fn, iters=20) -> dict:
     """Device time per call of each CUDA kernel fn launches (torch.profiler), in microseconds."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t > 0:
-            out[e.key[:60]] = round(t / iters, 1)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    return {k[:60]: round(ms * 1e3, 1) for ms, _, k in profile_kernels(fn, iters) if ms > 0}
 
 
 def markdown(res) -> str:

@@ -13,6 +13,33 @@ def names(spec: str) -> list[str]:
     return [m.strip() for m in re.split(r",(?![^()]*\))", spec or "") if m.strip()]
 
 
+def cuda_kernels(prof, calls: int) -> list[tuple[float, int, str]]:
+    """(ms per call, launches per call, name) of each CUDA kernel in a torch.profiler run of `calls`
+    calls, largest first. Only the kernels themselves: host ops also carry their kernels' device
+    time, and would count it twice."""
+    from torch.autograd import DeviceType
+
+    rows = [
+        (e.device_time_total / 1e3 / calls, e.count // calls, e.key)
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA
+    ]
+    return sorted(rows, reverse=True)
+
+
+def profile_kernels(fn, calls: int = 20) -> list[tuple[float, int, str]]:
+    """cuda_kernels of `calls` calls of fn (after one unprofiled call): where its device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return cuda_kernels(prof, calls)
+
+
 def peak_above(fn) -> int:
     """Bytes the CUDA allocator held at its peak while `fn()` ran, above what was allocated before
     (the inputs): a call's own memory, outputs and gradients included."""

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
-from benchlib import names, peak_above, saved_bytes  # noqa: E402
+from benchlib import names, peak_above, profile_kernels, saved_bytes  # noqa: E402
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
 
@@ -176,29 +176,11 @@ def device_time(fn, n: int = 20) -> dict:
     these sizes can exceed the device's; both are reported. (A CUDA graph replay would time the same
     without the profiler, but eager autograd's backward cannot be captured: its worker thread
     invalidates the capture, measured on the H200.)"""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     try:
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-        kernels = sorted(
-            (
-                (e.device_time_total / 1e3 / n, e.count // n, e.key[:100])
-                for e in p.key_averages()
-                if e.device_type == DeviceType.CUDA
-            ),
-            reverse=True,
-        )
+        kernels = profile_kernels(fn, n)
         return dict(
             device_ms=sum(k[0] for k in kernels),
-            kernels=[
-                dict(ms=ms, count=c, kernel=k) for ms, c, k in kernels[:10]
-            ],  # where the device time goes
+            kernels=[dict(ms=ms, count=c, kernel=k[:100]) for ms, c, k in kernels[:10]],  # where it goes
         )
     except Exception as e:  # noqa: BLE001 - a diagnostic column: said, not hidden
         return dict(device_error=f"{type(e).__name__}: {e}"[:200])

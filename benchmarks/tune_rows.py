@@ -64,8 +64,9 @@ def cases(quick: bool):
     return out
 
 
-def trials(sp, N: int, elementwise: bool, quick: bool):
-    """(label, config patch) pairs: None is today's default."""
+def trials(N: int, elementwise: bool, sums_columns: bool, quick: bool):
+    """(label, config patch) pairs: None is today's default. Programs per SM are varied only where a
+    backward sums columns (elsewhere every block is a program)."""
     yield "default", None
     bms, warpss, per_sms = (
         ((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16), (1, 2, 4, 8))
@@ -79,7 +80,7 @@ def trials(sp, N: int, elementwise: bool, quick: bool):
         for bm, warps in itertools.product(bms, warpss):
             if bm * bn > 32768 or bm * bn < 32 * warps or bm * bn // (32 * warps) > 128:
                 continue
-            for per_sm in per_sms:
+            for per_sm in per_sms if sums_columns else per_sms[:1]:
                 yield (
                     f"C={C or N} BM={bm} w={warps} P/SM={per_sm}",
                     dict(C=C, BM=bm, warps=warps, per_sm=per_sm),
@@ -100,7 +101,7 @@ class Patched:
         rowkernel._config = lambda M, N, device, sums_columns=True, reduces=False: dict(
             BLOCK_M=c["BM"], BLOCK_N=rowkernel._pow2(N), num_warps=c["warps"]
         )
-        rowkernel._programs = lambda n_blocks, device, N=0: max(
+        rowkernel._programs = lambda n_blocks, device, N=0, reduces=False: max(
             1, min(n_blocks, c["per_sm"] * rowkernel._sm_count(device.index))
         )
         if c["C"]:
@@ -117,23 +118,21 @@ def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
     def fwd():
         return rowkernel.forward_group(sp, arg_sets, rounding)
 
-    stats = [s for _, s in fwd()]
-    grads = [torch.randn_like(o) for o, _ in fwd()]
+    ref = fwd()
+    ref_f, stats = [o for o, _ in ref], [s for _, s in ref]
+    grads = [torch.randn_like(o) for o in ref_f]
     needs = [list(need) for _ in arg_sets]  # RoPE: q and k only (cos and sin take no gradient)
 
     def bwd():
         return rowkernel.backward_group(sp, grads, arg_sets, stats, needs, rounding)
 
-    ref_f, ref_b = [o for o, _ in fwd()], bwd()
-    k = rowkernel._kernel(sp, rowkernel._groups(sp, arg_sets)[0][0], rounding)
-    N = arg_sets[0][0].shape[-1]
-    kinds = rowkernel._groups(sp, arg_sets)[0][0].lay.kinds
-    col_idx = [i for i, n in enumerate(sp.tensor_names) if kinds[n] == "col"]
+    ref_b = bwd()
+    group = rowkernel._groups(sp, arg_sets)[0][0]
+    k = rowkernel._kernel(sp, group, rounding)
+    col_idx = [i for i, n in enumerate(sp.tensor_names) if group.lay.kinds[n] == "col"]
     rows = {}
     seen_fwd = {}
-    for label, cfg in trials(sp, N, k.elementwise, QUICK):
-        if cfg is not None and not col_idx and cfg["per_sm"] != (2 if QUICK else 1):
-            continue  # programs per SM only matter where a backward sums columns
+    for label, cfg in trials(group.lay.N, k.elementwise, bool(col_idx), QUICK):
         try:
             with Patched(cfg):
                 f_out = [o for o, _ in fwd()]

@@ -116,7 +116,7 @@ def test_ddp_cut_moves_keep_autocast_switches_in_place():
 
     import torch.fx as fx
 
-    from kernelgraft.rewriter.backend import _in_piece_order, _moves
+    from kernelgraft.rewriter.backend import _in_piece_order, _move_groups, _moves
     from kernelgraft.rewriter.replace import RECOMPUTE_META
 
     def graph(switch_between: bool):
@@ -144,7 +144,7 @@ def test_ddp_cut_moves_keep_autocast_switches_in_place():
         piece.update({n["enter"]: 1, n["exit"]: 1} if switch_between else {n["enter"]: 0, n["exit"]: 0})
         moved = _moves(g, piece.__getitem__)
         assert moved == {n["call"]: 2, n["out"]: 2}, moved  # the call joins its reader
-        kept = _in_piece_order(g, piece.__getitem__, moved)
+        kept = _in_piece_order(g, piece.__getitem__, _move_groups(g, piece.__getitem__))
         final = [kept.get(v, piece.get(v)) for v in g.nodes if v.op == "call_function"]
         assert final == sorted(final), final  # pieces in graph order, as split_module checks
         order = [v for v in g.nodes if v.op == "call_function"]

@@ -160,13 +160,13 @@ def _recomputed_outputs_kept_with_their_readers(log: list):
         entry = dict(recomputed=sum(1 for n in m.graph.nodes if n.meta.get(RECOMPUTE_META)), moved=0)
         log.append(entry)
         try:
-            moved = _moves(m.graph, split_callback)
+            groups = _move_groups(m.graph, split_callback)
         except Exception as e:  # noqa: BLE001 - a graph or numbering it does not know: the cut as DDP made it
-            moved, entry["kept_ddp_cut"] = {}, f"plan failed: {type(e).__name__}: {e}"[:200]
-        if moved:
+            groups, entry["kept_ddp_cut"] = [], f"plan failed: {type(e).__name__}: {e}"[:200]
+        if groups:
             before = list(m.graph.nodes)
             try:
-                moved = _in_piece_order(m.graph, split_callback, moved)
+                moved = _in_piece_order(m.graph, split_callback, groups)
                 out = original(m, root_m, lambda n: moved.get(n, split_callback(n)), *args, **kwargs)
                 entry["moved"] = len(moved)
                 return out
@@ -202,18 +202,21 @@ def _movable(n: torch.fx.Node) -> bool:
     return getattr(n.target, "__name__", None) in _MOVABLE
 
 
-_GROUP = "kernelgraft_ddp_move"  # node.meta: the recomputed call whose move a node is part of
-
-
 def _moves(graph: torch.fx.Graph, piece_of) -> dict:
-    """node -> the piece it moves to: a recomputed kernel call (with its getitems, and slices of
-    its outputs) into the first piece that reads its outputs, and the readers in later pieces back
-    into that one, where all their other inputs are already made by then (graph inputs, or nodes
+    """node -> the piece it moves to, over all of _move_groups."""
+    return {n: to for group in _move_groups(graph, piece_of) for n, to in group.items()}
+
+
+def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:
+    """One {node: piece it moves to} per recomputed kernel call that moves: the call (with its
+    getitems, and slices of its outputs) into the first piece that reads its outputs, and the
+    readers in later pieces back into that one, where all their other inputs are already made by then (graph inputs, or nodes
     of that piece or earlier ones) and they are pure (_movable). Moving a node later past none of
     its readers, or earlier past none of its inputs, keeps the pieces in order. A call whose
     readers cannot all join one piece stays where it is, with its readers (a copy per piece would
     sum its gradient in another order than the model does)."""
-    out: dict = {}
+    out: dict = {}  # every node moved so far
+    groups: list[dict] = []
 
     def at(n):
         return out.get(n, piece_of(n))
@@ -240,7 +243,7 @@ def _moves(graph: torch.fx.Graph, piece_of) -> dict:
         here = at(call)
         pieces = {at(r) for r in readers}
         if not all(isinstance(q, int) for q in pieces) or not isinstance(here, int):
-            return {}  # not DDPOptimizer's numbering: leave the cut as it is
+            return []  # not DDPOptimizer's numbering: leave the cut as it is
         to = min(pieces)
         late = [r for r in readers if at(r) > to]
 
@@ -252,10 +255,10 @@ def _moves(graph: torch.fx.Graph, piece_of) -> dict:
         )
         if (to <= here and not late) or not ready or not all(_movable(r) for r in late):
             continue
-        for n in (call, *made, *late):
-            n.meta[_GROUP] = call.name
-            out[n] = to
-    return out
+        group = dict.fromkeys((call, *made, *late), to)
+        groups.append(group)
+        out.update(group)
+    return groups
 
 
 def _global_state(n: torch.fx.Node) -> bool:
@@ -268,25 +271,24 @@ def _global_state(n: torch.fx.Node) -> bool:
     )
 
 
-def _in_piece_order(graph: torch.fx.Graph, piece_of, moved: dict) -> dict:
-    """The moves (node -> piece) kept and the graph's nodes reordered so that pieces come in graph
-    order, as split_module requires of a graph with autocast or grad-mode switches (Hugging Face's
-    rotary embedding computes under autocast(enabled=False) in transformers 5.17; the two-H200 run
-    failed its check, 2026-11-30). A node moved past such a switch would change the mode it runs
+def _in_piece_order(graph: torch.fx.Graph, piece_of, groups: list[dict]) -> dict:
+    """The moves (node -> piece) of the groups kept, and the graph's nodes reordered so that pieces
+    come in graph order, as split_module requires of a graph with autocast or grad-mode switches
+    (Hugging Face's rotary embedding computes under autocast(enabled=False) in transformers 5.17;
+    the two-H200 run failed its check, 2026-11-30). A node moved past such a switch would change the mode it runs
     in: its whole group (a call, its getitems, its moved readers) stays where DDP put it. Raises
     when the order found is not a valid graph (the caller then keeps DDPOptimizer's cut)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     idx = {n: i for i, n in enumerate(nodes)}
     states = [n for n in nodes if _global_state(n)]
-    groups: dict = {}
-    for n, to in moved.items():  # a group: the nodes moved to one piece for one call
-        groups.setdefault(n.meta.get(_GROUP), []).append((n, to))
     kept = {}
-    for members in groups.values():
+    for group in groups:  # a group: the nodes moved to one piece for one call
         if all(
-            (idx[n] < idx[s]) == ((to, idx[n]) < (piece_of(s), idx[s])) for n, to in members for s in states
+            (idx[n] < idx[s]) == ((to, idx[n]) < (piece_of(s), idx[s]))
+            for n, to in group.items()
+            for s in states
         ):
-            kept.update(members)
+            kept.update(group)
     order = sorted(nodes, key=lambda n: (kept.get(n, piece_of(n)), idx[n]))
     head = [n for n in graph.nodes if n.op == "placeholder"] + [n for n in graph.nodes if n.op == "get_attr"]
     tail = [n for n in graph.nodes if n.op == "output"]

@@ -76,3 +76,60 @@ def saved_for_backward(model: torch.nn.Module, loss_fn) -> dict:
 def saved_bytes(model: torch.nn.Module, loss_fn) -> int:
     """The bytes of saved_for_backward(model, loss_fn)."""
     return sum(b for b, _ in saved_for_backward(model, loss_fn).values())
+
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_by_launcher(trace: dict, min_gap_us: float = 2.0, top: int = 12) -> dict:
+    """Where the GPU waited for the host, from a torch.profiler Chrome trace (CPU and CUDA activity).
+
+    Every gap of at least `min_gap_us` between one device event's end and the next one's start is
+    charged to the host op that launched the next: the innermost `kernelgraft::` op around its launch
+    call if there is one, else the innermost op. -> {idle_ms, gaps, by_op: [(ms, count, op)]}, the
+    largest `top` first. The profiler's own host cost inflates the gaps; their places are what counts.
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    launches = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        ),
+        key=lambda e: e["ts"],
+    )
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"]))
+    # a sweep in time order per host thread (autograd's backward runs on its own): the ops open at
+    # each launch, outermost first
+    launched_by: dict = {}
+    for tid in {e.get("tid") for e in launches}:
+        mine = [o for o in ops if o.get("tid") == tid]
+        stack: list = []
+        i = 0
+        for la in (e for e in launches if e.get("tid") == tid):
+            while i < len(mine) and mine[i]["ts"] <= la["ts"]:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < mine[i]["ts"]:
+                    stack.pop()
+                stack.append(mine[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < la["ts"]:
+                stack.pop()
+            ours = [o for o in stack if o["name"].startswith("kernelgraft::")]
+            pick = ours[-1] if ours else (stack[-1] if stack else None)
+            launched_by[la["args"]["correlation"]] = pick["name"] if pick else "(no host op)"
+
+    by: dict[str, list] = {}
+    end = None
+    gaps = 0
+    for e in device:
+        if end is not None and e["ts"] - end >= min_gap_us:
+            corr = e.get("args", {}).get("correlation")
+            name = launched_by.get(corr, "(launch not traced)")
+            slot = by.setdefault(name, [0.0, 0])
+            slot[0] += (e["ts"] - end) / 1e3
+            slot[1] += 1
+            gaps += 1
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    rows = sorted(((ms, n, name) for name, (ms, n) in by.items()), reverse=True)
+    return dict(idle_ms=sum(r[0] for r in rows), gaps=gaps, by_op=rows[:top])

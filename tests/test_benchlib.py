@@ -38,3 +38,35 @@ def test_cuda_kernels_counts_each_kernel_once_per_call():
         ]
     )
     assert benchlib.cuda_kernels(prof, 3) == [(1.0, 2, "gemm_kernel"), (0.25, 1, "ce_kernel")]
+
+
+def test_idle_by_launcher_charges_each_gap_to_the_op_that_launched_the_next_kernel():
+    def x(cat, name, ts, dur, corr=None):
+        e = dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=1)
+        if corr is not None:
+            e["args"] = dict(correlation=corr)
+        return e
+
+    trace = dict(
+        traceEvents=[
+            x("cpu_op", "step", 0, 1000),
+            x("cpu_op", "kernelgraft::rms_norm", 100, 200),
+            x("cpu_op", "aten::empty", 240, 20),  # inside ours: the gap is still ours
+            x("cpu_op", "aten::mm", 400, 50),
+            x("cuda_runtime", "cudaLaunchKernel", 30, 5, corr=1),
+            x("cuda_runtime", "cudaLaunchKernel", 250, 5, corr=2),
+            x("cuda_runtime", "cudaLaunchKernel", 440, 5, corr=3),
+            x("cuda_runtime", "cudaLaunchKernel", 460, 5, corr=4),
+            dict(x("cpu_op", "autograd thread's op", 430, 100), tid=2),  # another thread: not around 440
+            x("kernel", "first", 50, 10, corr=1),
+            x("kernel", "norm", 260, 100, corr=2),  # 200 us after `first` ended
+            x("gpu_memcpy", "copy", 300, 100, corr=9),  # overlaps: busy until 400
+            x("kernel", "gemm", 445, 20, corr=3),  # 45 us after the copy
+            x("kernel", "tail", 466, 5, corr=4),  # 1 us: under the threshold
+            dict(ph="i", cat="instant", name="ignored", ts=0),
+        ]
+    )
+    got = benchlib.idle_by_launcher(trace)
+    assert got["gaps"] == 2
+    assert got["by_op"] == [(0.2, 1, "kernelgraft::rms_norm"), (0.045, 1, "aten::mm")]
+    assert abs(got["idle_ms"] - 0.245) < 1e-12

@@ -4,6 +4,7 @@ kernels' backward keeps, instead of saving them for the matmuls that read them. 
 backward, the same numbers (the DESIGN.md rule against float64)."""
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -161,9 +162,12 @@ def test_an_output_only_returned_is_not_recomputed(monkeypatch):
     from kernelgraft.kernels import rowkernel
     from kernelgraft.rewriter.replace import RECOMPUTE_META
 
-    calls = []
-    forward = rowkernel.forward_group
+    calls, fused = [], []
+    forward, with_out = rowkernel.forward_group, rowkernel.backward_with_out
     monkeypatch.setattr(rowkernel, "forward_group", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    monkeypatch.setattr(
+        rowkernel, "backward_with_out", lambda *a, **k: (fused.append(1), with_out(*a, **k))[1]
+    )
 
     def norm(x, w):
         h = x.float()
@@ -173,9 +177,17 @@ def test_an_output_only_returned_is_not_recomputed(monkeypatch):
     x = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(32, requires_grad=True)
     p = torch.randn(32, 8, requires_grad=True)
-    for fn, want_tags, want_calls in ((norm, 0, 1), (lambda x, w: norm(x, w) @ p, 1, 2)):
+    read_on = lambda x, w: norm(x, w) @ p  # noqa: E731
+    # (fn, recompute option, sites tagged, forward kernel runs, backward runs that make the output):
+    # by default the backward kernel makes the recomputed output (rewriter/recompute.py); "separate"
+    # runs the forward kernel again
+    for fn, mode, want_tags, want_calls, want_fused in (
+        (norm, True, 0, 1, 0),
+        (read_on, True, 1, 1, 1),
+        (read_on, "separate", 1, 2, 0),
+    ):
         torch._dynamo.reset()
-        grafter = kernelgraft.Grafter("inductor")
+        grafter = kernelgraft.Grafter("inductor", options={"recompute": mode})
         lower = grafter._lower
 
         def spy(gm, example_inputs, lower=lower):
@@ -186,11 +198,75 @@ def test_an_output_only_returned_is_not_recomputed(monkeypatch):
         f = torch.compile(fn, backend=grafter, dynamic=False)
         y = f(x, w)
         calls.clear()
+        fused.clear()
         y = f(x, w)
         torch.autograd.grad(y.sum(), (x, w))
         assert grafter.report.counts() == {"rms_norm": 1}
-        assert tagged[-1] == want_tags and len(calls) == want_calls, (tagged, calls)
+        assert tagged[-1] == want_tags and len(calls) == want_calls, (mode, tagged, calls)
+        assert len(fused) == want_fused, (mode, fused)
         want = torch.autograd.grad(fn(x, w).sum(), (x, w))  # the numbers: the spelling's own
         got = torch.autograd.grad(f(x, w).sum(), (x, w))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+RECOMPUTED = [sp for sp in kernelgraft.patterns.REGISTRY.spellings() if sp.recompute]
+
+
+@pytest.mark.parametrize("sp", RECOMPUTED, ids=lambda sp: sp.qualname)
+@pytest.mark.parametrize("rounding", ["autograd", "fused"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_kernel_makes_the_recomputed_output_bitwise(sp, rounding, dtype):
+    # the `_bwdo` entry (rewriter/recompute.py puts it in the backward graph): the gradients of the
+    # backward kernel and the output of the forward kernel, from one pass that reads no statistics.
+    # 8 x 96: the gated MLP's rows are re-cut (768 elements = 3 rows of 256), the norms' are not
+    from kernelgraft.kernels import op_for
+
+    op = op_for(sp, rounding, recompute=True)
+    args = sp.example_args(8, 96, dtype, seed=3)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    y, stats = op.fwd(*args)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(y.dtype)
+    needs = [True] * len(sp.tensor_names)
+    want = op.bwd(g, *args, stats, needs)
+    got = op.bwd_out(g, *args, needs)
+    assert len(got) == len(want) + 1
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[-1].dtype == y.dtype and torch.equal(got[-1], y)
+    # a gradient not asked for is not made, and the output still is
+    part = op.bwd_out(g, *args, [False] + needs[1:])
+    assert part[0].numel() == 0 and torch.equal(part[-1], y)
+
+
+def test_every_recomputed_site_is_made_by_its_backward_kernel(monkeypatch):
+    # tiny Llama, 2 layers, inductor: per layer 2 norms and a gated MLP, each a (forward again,
+    # backward) pair in the backward graph, become one `_bwdo` call. The final norm stays as it
+    # is: its output is the LM head's input, whose backward makes that norm's incoming gradient (a
+    # cycle). The numbers: the DESIGN.md rule, as everywhere
+    from kernelgraft.rewriter import recompute
+
+    stock = tiny_model("llama", layers=2)
+    counts = []
+    fuse = recompute.fuse_recomputed_outputs
+
+    def spy(graph):
+        n = fuse(graph)
+        # a recomputed site's calls by kind: forward ("...__rc_abi<N>"), "_bwd", "_bwdo"
+        kinds = [re.search(r"__rc_abi\d+(\w*)\.", str(x.target)) for x in graph.nodes]
+        kinds = [k.group(1) or "fwd" for k in kinds if k]
+        counts.append((n, {k: kinds.count(k) for k in kinds}))
+        return n
+
+    monkeypatch.setattr(recompute, "fuse_recomputed_outputs", spy)
+    # compiled here, not loaded from inductor's caches (a cache hit runs no pass)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
+    torch._dynamo.reset()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
+    b = batch(B=2, S=16)
+    bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
+    assert not bad, bad
+    L = stock.config.num_hidden_layers
+    assert counts[0] == (0, {"fwd": 3 * L + 1}), counts  # the forward graph: its sites, untouched
+    assert counts[1] == (3 * L, {"fwd": 1, "_bwd": 1, "_bwdo": 3 * L}), counts

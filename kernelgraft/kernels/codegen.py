@@ -169,7 +169,6 @@ def _fwd_group_args(spec: Spec) -> list[str]:
 
 
 def _fwd_block(spec: Spec, needed: set) -> list[str]:
-    K = max(len(spec.reductions), 1)
     cv = _col_vars(spec, needed)
     sig = ", ".join(
         _fwd_group_args(spec)
@@ -182,20 +181,8 @@ def _fwd_block(spec: Spec, needed: set) -> list[str]:
     L += _rotation(IND, needed)
     L += _row_index(IND)
     L += _elem_loads(spec, _elems(spec), IND, needed)
-    for k, red in enumerate(spec.reductions):
-        L.append(f"{IND}# {red.symbol} = {'mean' if red.mean else 'sum'}_j({red.summand})")
-        lines, (e,) = _cse_lines([red.summand], f"s{k}_", IND)
-        L += lines
-        div = " / Nf" if red.mean else ""
-        L.append(
-            f"{IND}{red.symbol} = tl.reduce(tl.where(mask, {e}, 0.0), 1, tl.standard._sum_combine)[:, None]{div}"
-        )
-        L.append(f"{IND}tl.store(stats_ptr + rows * {K} + {k}, {red.symbol}, mask=rmask)")
-    L.append(f"{IND}# y = {spec.output}")
-    # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
-    lines, (e,) = _cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", IND)
-    L += lines
-    L.append(f"{IND}tl.store(out_ptr + {_offset('out')} + cols * out_sc, {e}, mask=mask)")
+    L += _reduction_lines(spec, IND, stats_store=True)
+    L += _output_lines(spec, IND)
     return L
 
 
@@ -230,23 +217,52 @@ def forward_source(spec: Spec) -> str:
 # ---- backward ------------------------------------------------------------------------------------
 
 
-def _bwd_group_args(spec: Spec) -> list[str]:
-    a = _strided("g") + [x for t in _elems(spec) for x in _strided(t)] + ["stats_ptr"]
-    return a + [x for t in _elems(spec) for x in _strided(f"d_{t}")] + ["M", "D1", "D2"]
+def _bwd_group_args(spec: Spec, with_out: bool = False) -> list[str]:
+    """with_out: the variant that makes the row statistics itself and stores the forward's output
+    (for an output recomputed in the backward) instead of reading the statistics."""
+    a = _strided("g") + [x for t in _elems(spec) for x in _strided(t)] + ([] if with_out else ["stats_ptr"])
+    a += [x for t in _elems(spec) for x in _strided(f"d_{t}")]
+    return a + (_strided("out") if with_out else []) + ["M", "D1", "D2"]
 
 
-def _bwd_block(spec: Spec, bwd: Backward, needed: set) -> list[str]:
+def _reduction_lines(spec: Spec, indent: str, stats_store: bool) -> list[str]:
+    """The forward's row statistics from the loaded row (stored for the backward, or kept)."""
+    K = max(len(spec.reductions), 1)
+    L = []
+    for k, red in enumerate(spec.reductions):
+        L.append(f"{indent}# {red.symbol} = {'mean' if red.mean else 'sum'}_j({red.summand})")
+        lines, (e,) = _cse_lines([red.summand], f"s{k}_", indent)
+        L += lines
+        div = " / Nf" if red.mean else ""
+        L.append(
+            f"{indent}{red.symbol} = tl.reduce(tl.where(mask, {e}, 0.0), 1, tl.standard._sum_combine)[:, None]{div}"
+        )
+        if stats_store:
+            L.append(f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {red.symbol}, mask=rmask)")
+    return L
+
+
+def _output_lines(spec: Spec, indent: str) -> list[str]:
+    L = [f"{indent}# y = {spec.output}"]
+    # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
+    lines, (e,) = _cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", indent)
+    L += lines
+    L.append(f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, {e}, mask=mask)")
+    return L
+
+
+def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -> list[str]:
     K = max(len(spec.reductions), 1)
     cv = _col_vars(spec, needed)
     needs = [f"NEED_{t}: tl.constexpr" for t in spec.tensors]
     sig = ", ".join(
-        _bwd_group_args(spec)
+        _bwd_group_args(spec, with_out)
         + cv
         + list(spec.scalars)
         + ["rb", "N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
         + needs
     )
-    L = ["@triton.jit", f"def {spec.name}_bwd_rows({sig}):"]
+    L = ["@triton.jit", f"def {spec.name}_{'bwdo' if with_out else 'bwd'}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
     L += _rotation(IND, needed)
     L += _row_index(IND)
@@ -255,8 +271,12 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set) -> list[str]:
     if "g__p" in needed:
         L.append(f"{IND}g__p = tl.load(g_ptr + g_o + pcols * g_sc, mask=mask, other=0.0).to(tl.float32)")
     L += _elem_loads(spec, _elems(spec), IND, needed)
+    if with_out:  # the forward's work, on the row already loaded: statistics, then the output
+        L += _reduction_lines(spec, IND, stats_store=False)
+        L += _output_lines(spec, IND)
     for k, red in enumerate(spec.reductions):
-        L.append(f"{IND}{red.symbol} = tl.load(stats_ptr + rows * {K} + {k}, mask=rmask, other=1.0)")
+        if not with_out:
+            L.append(f"{IND}{red.symbol} = tl.load(stats_ptr + rows * {K} + {k}, mask=rmask, other=1.0)")
     for a, summand in bwd.adjoints:
         L.append(f"{IND}# {a} = sum_j({summand})")
         lines, (e,) = _cse_lines([summand], f"{a}_", IND)
@@ -286,14 +306,15 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set) -> list[str]:
     return L
 
 
-def _bwd_entry(spec: Spec, needed: set, G: int) -> list[str]:
+def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False) -> list[str]:
     cols = _cols(spec)
     shared = [a for t in cols for a in (f"{t}_ptr", f"{t}_sc")] + list(spec.scalars)
     shared += [a for t in cols for a in (f"d_{t}_ptr", f"d_{t}_s0")]
-    groups = [a for g in range(G) for a in _suffixed(_bwd_group_args(spec), g)]
+    groups = [a for g in range(G) for a in _suffixed(_bwd_group_args(spec, with_out), g)]
     needs = [f"NEED_{t}: tl.constexpr" for t in spec.tensors]
     sig = ", ".join(shared + groups + ["N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"] + needs)
-    name = f"{spec.name}_bwd" if G == 1 else f"{spec.name}_bwd{G}"
+    which = "bwdo" if with_out else "bwd"
+    name = f"{spec.name}_{which}" if G == 1 else f"{spec.name}_{which}{G}"
     L = ["@triton.jit", f"def {name}({sig}):"]
     L += _entry_head(spec, needed)
     L.append(f"{IND}nprog = tl.num_programs(0)")
@@ -302,14 +323,17 @@ def _bwd_entry(spec: Spec, needed: set, G: int) -> list[str]:
     flags = [f"NEED_{t}" for t in spec.tensors]
     for g in range(G):
         call = ", ".join(
-            _suffixed(_bwd_group_args(spec), g) + tail + ["rb", "N", "Nf", "BLOCK_M", "BLOCK_N"] + flags
+            _suffixed(_bwd_group_args(spec, with_out), g)
+            + tail
+            + ["rb", "N", "Nf", "BLOCK_M", "BLOCK_N"]
+            + flags
         )
         L.append(f"{IND}for rb in range(pid, (M_g{g} + BLOCK_M - 1) // BLOCK_M, nprog):")
         if cols:
-            L.append(f"{IND2}{', '.join(f'p_{t}' for t in cols)} = {spec.name}_bwd_rows({call})")
+            L.append(f"{IND2}{', '.join(f'p_{t}' for t in cols)} = {spec.name}_{which}_rows({call})")
             L += [f"{IND2}acc_{t} += p_{t}" for t in cols]
         else:
-            L.append(f"{IND2}{spec.name}_bwd_rows({call})")
+            L.append(f"{IND2}{spec.name}_{which}_rows({call})")
     for t in cols:
         L.append(f"{IND}if NEED_{t}:")
         L.append(f"{IND2}tl.store(d_{t}_ptr + pid * d_{t}_s0 + cols1, acc_{t}, mask=cols1 < N)")
@@ -317,10 +341,17 @@ def _bwd_entry(spec: Spec, needed: set, G: int) -> list[str]:
 
 
 def backward_source(spec: Spec, bwd: Backward) -> str:
+    """The backward entries (`_bwd`, `_bwd2`), and those that also make the forward's output
+    (`_bwdo`, `_bwdo2`): where the output is recomputed for the backward, one pass over the rows
+    serves both (rewriter/recompute.py)."""
     need = _needed(*bwd.grads.values(), *(e for _, e in bwd.adjoints))
     L = _bwd_block(spec, bwd, need)
     for G in GROUPS:
         L += ["", ""] + _bwd_entry(spec, need, G)
+    need_o = need | _needed(spec.output, *(r.summand for r in spec.reductions))
+    L += ["", ""] + _bwd_block(spec, bwd, need_o, with_out=True)
+    for G in GROUPS:
+        L += ["", ""] + _bwd_entry(spec, need_o, G, with_out=True)
     return "\n".join(L) + "\n"
 
 

@@ -26,6 +26,7 @@ class GraftedOp:
     name: str
     fwd: object  # the OpOverload kernelgraft::<name>
     bwd: object
+    bwd_out: object = None  # kernelgraft::<name>_bwdo (recomputed sites): the gradients, then the output
 
     def __call__(self, *args):
         return self.fwd(*args)[0]
@@ -111,6 +112,7 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
     )
     bwd.register_fake(bwd_fake)
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
+    bwd_out_op = _bwd_out_op(sp, lib, rounding, bwd_fake) if recompute else None
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(inputs[i] for i in tensor_idx), output[1])
@@ -125,9 +127,33 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
         return _input_grads(n_args, tensor_idx, bwd_op(grad, *args, stats, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op)
+    op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op, bwd_out_op)
     _OPS[name] = op
     return op
+
+
+def _bwd_out_op(sp, lib: str, rounding: str, bwd_fake):
+    """kernelgraft::<name>_bwdo(grad, args..., needs) -> [gradients..., output]: the backward of a
+    site whose output is recomputed, making that output in the same pass (rowkernel.backward_with_out).
+    Not called by autograd: the backward graph's pass (rewriter/recompute.py) puts it where the
+    recomputed forward and the backward read the same arguments."""
+
+    def impl(grad, *rest):
+        *args, needs = rest
+        return rowkernel.backward_with_out(sp, grad, tuple(args), list(needs), rounding)
+
+    def fake(grad, *rest):
+        *args, needs = rest
+        return [*bwd_fake(grad, *args, None, needs), _fake(sp, tuple(args), rounding)[0]]
+
+    op = torch.library.custom_op(
+        f"{lib}_bwdo",
+        impl,
+        mutates_args=(),
+        schema=f"(Tensor grad, {_schema_args(sp)}, bool[] needs) -> Tensor[]",
+    )
+    op.register_fake(fake)
+    return getattr(torch.ops.kernelgraft, f"{lib.split('::')[1]}_bwdo").default
 
 
 def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:

@@ -427,28 +427,45 @@ def backward(
     return backward_group(spelling, [grad], [args], [stats], [needs], rounding)[0]
 
 
+def backward_with_out(
+    spelling, grad: torch.Tensor, args: tuple, needs: list[bool], rounding: str = "autograd"
+) -> list[torch.Tensor]:
+    """The gradients as `backward` gives them, then the forward's output, made in the same pass over
+    the rows (the row statistics too, so none are read): for an output recomputed in the backward."""
+    return backward_group(spelling, [grad], [args], [None], [needs], rounding, with_out=True)[0]
+
+
 def backward_group(
     spelling,
     grads: list[torch.Tensor],
     arg_sets: list[tuple],
-    stats: list[torch.Tensor],
+    stats: list[torch.Tensor | None],
     needs_per_set: list[list[bool]],
     rounding: str = "autograd",
+    with_out: bool = False,
 ) -> list[list[torch.Tensor]]:
     """Gradients of every tensor argument of each argument set (empty where that set's `needs` is
     False), in one launch when the sets can share one. A per-column argument is then the same
     tensor in every set: its gradient, the sum over all sets, is returned once (in the first set
-    that needs it; zeros in the others, so that autograd's sum counts it once)."""
+    that needs it; zeros in the others, so that autograd's sum counts it once). with_out: each
+    set's forward output follows its gradients, and `stats` are not read (None)."""
     groups, scalars = _groups(spelling, arg_sets)
     if len(groups) > 1 and not _shareable(groups):
         return [
-            backward_group(spelling, [g], [a], [st], [nd], rounding)[0]
+            backward_group(spelling, [g], [a], [st], [nd], rounding, with_out)[0]
             for g, a, st, nd in zip(grads, arg_sets, stats, needs_per_set)
         ]
     needs = [any(col) for col in zip(*needs_per_set)]
     k = _kernel(spelling, groups[0], rounding)
+
+    def reference():
+        res = [_reference_backward(spelling, g, a, nd) for g, a, nd in zip(grads, arg_sets, needs_per_set)]
+        if with_out:
+            res = [r + [_reference_forward(spelling, a, k)[0]] for r, a in zip(res, arg_sets)]
+        return res
+
     if (k.spec.name, dev_type(groups)) in FAILED:
-        return [_reference_backward(spelling, g, a, nd) for g, a, nd in zip(grads, arg_sets, needs_per_set)]
+        return reference()
     C = _flat_rows(k, groups, extra=grads)
     if C:
         res = backward_group(
@@ -458,8 +475,10 @@ def backward_group(
             stats,
             needs_per_set,
             rounding,
+            with_out,
         )[0]
-        return [[r.view(t.shape) if r.numel() else r for r, t in zip(res, groups[0].tensors.values())]]
+        shapes = [t.shape for t in groups[0].tensors.values()] + ([groups[0].lay.shape] if with_out else [])
+        return [[r.view(shape) if r.numel() else r for r, shape in zip(res, shapes)]]
     kinds = groups[0].lay.kinds
     names = list(groups[0].tensors)
     N = groups[0].lay.N
@@ -476,7 +495,7 @@ def backward_group(
         for n, need in zip(names, needs)
         if kinds[n] == "col"
     }
-    elem_bufs, gargs = [], []
+    elem_bufs, gargs, fwd_outs = [], [], []
     for g, grad, st in zip(groups, grads, stats):
         bufs = {
             n: torch.empty(g.lay.shape, dtype=g.tensors[n].dtype, device=dev) if need else None
@@ -486,12 +505,17 @@ def backward_group(
         elem_bufs.append(bufs)
         elems = [g.tensors[n] for n in names if kinds[n] == "elem"]
         outs = [b for b in bufs.values() if b is not None]
+        if with_out:
+            fwd_outs.append(torch.empty(g.lay.shape, dtype=k.spec.out_dtype, device=dev))
+            outs.append(fwd_outs[-1])
         sizes, strides, views = _rows(g.lay.shape, [grad, *elems, *outs])
         flat = [_strided(v, s) for v, s in zip(views, strides)]
-        gargs += [a for f in flat[: 1 + len(elems)] for a in f] + [st]
+        gargs += [a for f in flat[: 1 + len(elems)] for a in f] + ([] if with_out else [st])
         done = iter(flat[1 + len(elems) :])
         for b in bufs.values():  # a gradient not needed: a dummy pointer the kernel never writes
             gargs += next(done) if b is not None else [dummy, 0, 0, 0, 0]
+        if with_out:
+            gargs += next(done)
         gargs += [g.lay.M if N else 0, sizes[1], sizes[2]]
     total_rows = sum(g.lay.M for g in groups)
     if total_rows > 0 and N > 0:
@@ -508,14 +532,12 @@ def backward_group(
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
         try:
-            k.fn(_entry("bwd", len(groups)), dev)[(nprog,)](
+            k.fn(_entry("bwdo" if with_out else "bwd", len(groups)), dev)[(nprog,)](
                 *shared, *gargs, N, float(N), **cfg, **flags, **k.options(dev)
             )
         except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
             _failed(k, dev, e)
-            return [
-                _reference_backward(spelling, g, a, nd) for g, a, nd in zip(grads, arg_sets, needs_per_set)
-            ]
+            return reference()
     out = []
     col_grads = {
         n: col_bufs[n].sum(0).to(groups[0].tensors[n].dtype).view(groups[0].tensors[n].shape)
@@ -535,6 +557,8 @@ def backward_group(
             else:  # a broadcast argument: its full gradient, summed back to its shape
                 res.append(bufs[n].float().sum_to_size(t.shape).to(t.dtype))
         out.append(res)
+    if with_out:
+        out = [r + [y] for r, y in zip(out, fwd_outs)]
     return out
 
 

@@ -21,7 +21,7 @@ def optimize(
     lm_head_chunk: int | None = None,
     lm_head_accumulate: str = "fp32",
     causal_attention: bool = True,
-    recompute: bool = True,
+    recompute: bool | str = True,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object.
 
@@ -41,8 +41,11 @@ def optimize(
     kernelgraft/rewriter/attention.py). `recompute` (default on; inductor backend): the outputs of
     the gated MLP and RMSNorm kernels are made again in the backward from the inputs their own
     backward keeps, instead of being saved for the matmuls that read them (at the Llama-3.2-1B
-    step: 16384 x 8192 bf16 per MLP, 16 of them: 4 GiB), for one elementwise pass per site. A
-    site whose output nothing in the graph reads (it only leaves the graph) is not recomputed.
+    step: 16384 x 8192 bf16 per MLP, 16 of them: 4 GiB). The site's backward kernel makes the
+    output in the pass it makes the gradients in (kernelgraft/rewriter/recompute.py);
+    `recompute="separate"` runs the forward kernel again instead (one more read of the inputs per
+    site; kept for comparison). A site whose output nothing in the graph reads (it only leaves the
+    graph) is not recomputed.
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -58,8 +61,12 @@ def optimize(
         lm_head_chunk=lm_head_chunk,
         lm_head_accumulate=lm_head_accumulate,
         causal_attention=bool(causal_attention),
-        recompute=bool(recompute),
+        recompute=recompute if recompute == "separate" else bool(recompute),
     )
+    if not isinstance(recompute, bool) and recompute != "separate":
+        raise ValueError(
+            f"kernelgraft.optimize: recompute must be True, False or 'separate', got {recompute!r}"
+        )
     if lm_head_accumulate not in ("fp32", "weight"):
         raise ValueError(
             f"kernelgraft.optimize: lm_head_accumulate must be 'fp32' or 'weight', got {lm_head_accumulate!r}"

@@ -12,7 +12,7 @@ import operator
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import attention
+from . import attention, recompute
 from .replace import RECOMPUTE_META, graft
 from .report import RewriteReport
 
@@ -75,9 +75,14 @@ class Grafter:
 
     def _lower(self, gm, example_inputs):
         if self.backend == "inductor" and not self.dry_run:
+            from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs)
+            patches = {}
+            if self.options.get("recompute", True) is True:  # not "separate": made by the backward kernels
+                key = "post_grad_custom_post_pass"
+                patches[key] = recompute.RecomputePass(chained=getattr(config, key))
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
         return gm.forward
 
     def _fallback(self, stock: torch.fx.GraphModule, args):

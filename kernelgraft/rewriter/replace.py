@@ -58,7 +58,7 @@ def _rewrite(
     # statistics its backward keeps (seen on an H200: RMSNorm and SwiGLU alone ran their forward
     # twice per fwd+bwd)
     read_on = any(u.op != "output" for u in m.output.fx.users)
-    recompute = sp.recompute and options.get("recompute", True) and read_on
+    recompute = bool(sp.recompute and options.get("recompute", True) and read_on)
     op = op_for(sp, rounding, recompute=recompute)
     named = {
         a: m.scalars[a] if a in sp.scalar_names else redirect.get(m.tensors[a].fx, m.tensors[a].fx)

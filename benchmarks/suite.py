@@ -232,7 +232,8 @@ def build(shape, mode):
 
 def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
-    ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute"), or Liger's
+    ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
+    recompute"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
@@ -244,7 +245,11 @@ def apply_mode(model, mode: str):
             model,
             backend="eager" if "(eager" in mode else "inductor",
             lm_head_accumulate=acc,
-            recompute="no recompute" not in mode,
+            recompute=False
+            if "no recompute" in mode
+            else "separate"
+            if "separate recompute" in mode
+            else True,
         )
     elif mode == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -261,8 +266,12 @@ def measure_step(shape, mode, steps):
     model = build(shape, mode)
     ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device="cuda")
 
+    host_fwd = []  # seconds the host spends launching each forward (nothing in it waits for the GPU)
+
     def step():
+        t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
+        host_fwd.append(time.perf_counter() - t0)
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()
@@ -284,8 +293,11 @@ def measure_step(shape, mode, steps):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     med = sorted(times)[len(times) // 2]
+    fwd_host = sorted(host_fwd[-steps:])[steps // 2]
     out = dict(
         tok_s=s["B"] * s["S"] / med,
+        times_ms=[round(t * 1e3, 2) for t in times],
+        host_fwd_ms=fwd_host * 1e3,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30,
         peak_above_start_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
         first_step_s=first,

@@ -271,3 +271,33 @@ def test_causal_mask_rewrite_on_gpu(backend, monkeypatch):
     bad = [str(v) for v in compare_models(grafted, stock, batch(device="cuda")) if not v.ok]
     assert not bad, "\n".join(bad)
     assert grafted.kernelgraft_report.counts()["sdpa"] == stock.config.num_hidden_layers
+
+
+@pytest.mark.parametrize(
+    "sp", [sp for sp in REGISTRY.spellings() if sp.recompute], ids=lambda sp: sp.qualname
+)
+def test_backward_kernel_makes_the_recomputed_output_on_gpu(sp):
+    # the `_bwdo` entry against the forward and backward kernels. Element-wise spellings (the gated
+    # MLP): bitwise. Norms: their row statistic is summed under the backward's launch configuration,
+    # in another order than the forward's, so a rare element may round the other way (by one unit
+    # in the last place), never more
+    op = op_for(sp, "fused", recompute=True)
+    N = 8192 if sp.pattern == "gated_mlp" else 2048
+    args = tuple(
+        a.detach().to(CUDA) if isinstance(a, torch.Tensor) else a
+        for a in sp.example_args(4096, N, torch.bfloat16)
+    )
+    y, stats = op.fwd(*args)
+    g = torch.randn(y.shape, device=CUDA).to(y.dtype)
+    needs = [True] * len(sp.tensor_names)
+    want = [*op.bwd(g, *args, stats, needs), y]
+    got = op.bwd_out(g, *args, needs)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if sp.pattern == "gated_mlp":
+            assert torch.equal(a, b)
+            continue
+        a, b = a.float(), b.float()
+        differ = (a != b).float().mean().item()
+        assert differ <= 1e-3, differ
+        assert ((a - b).abs() <= b.abs() * 2**-7 + 1e-6).all()

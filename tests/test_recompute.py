@@ -259,13 +259,15 @@ def test_every_recomputed_site_is_made_by_its_backward_kernel(monkeypatch):
         return n
 
     monkeypatch.setattr(recompute, "fuse_recomputed_outputs", spy)
-    # compiled here, not loaded from inductor's caches (a cache hit runs no pass)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
     torch._dynamo.reset()
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
     b = batch(B=2, S=16)
-    bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
+    # compiled here, not loaded from inductor's caches (a cache hit runs no pass)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
     assert not bad, bad
     L = stock.config.num_hidden_layers
     assert counts[0] == (0, {"fwd": 3 * L + 1}), counts  # the forward graph: its sites, untouched

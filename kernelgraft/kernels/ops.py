@@ -58,6 +58,14 @@ def _input_grads(n: int, tensor_idx: list, grads, needs) -> tuple:
     return tuple(out)
 
 
+def _define(name: str, impl, fake, schema: str):
+    """kernelgraft::<name>, functional, from its implementation, fake implementation and schema ->
+    (its CustomOpDef, for an autograd registration; its default OpOverload, to call)."""
+    op = torch.library.custom_op(f"kernelgraft::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op, getattr(torch.ops.kernelgraft, name).default
+
+
 def _fake(sp, args, rounding):
     """(out, row stats) as empty tensors of the right shapes and dtypes."""
     tensors, _ = rowkernel.split_args(sp, args)
@@ -99,20 +107,10 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
             for i, need in zip(tensor_idx, needs)
         ]
 
-    lib = f"kernelgraft::{name}"
-    fwd = torch.library.custom_op(
-        lib, fwd_impl, mutates_args=(), schema=f"({_schema_args(sp)}) -> (Tensor, Tensor)"
-    )
-    fwd.register_fake(fwd_fake)
-    bwd = torch.library.custom_op(
-        f"{lib}_bwd",
-        bwd_impl,
-        mutates_args=(),
-        schema=f"(Tensor grad, {_schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]",
-    )
-    bwd.register_fake(bwd_fake)
-    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
-    bwd_out_op = _bwd_out_op(sp, lib, rounding, bwd_fake) if recompute else None
+    fwd, fwd_op = _define(name, fwd_impl, fwd_fake, f"({_schema_args(sp)}) -> (Tensor, Tensor)")
+    bwd_schema = f"(Tensor grad, {_schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
+    _, bwd_op = _define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
+    bwd_out_op = _bwd_out_op(sp, name, rounding, bwd_fake) if recompute else None
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(inputs[i] for i in tensor_idx), output[1])
@@ -127,12 +125,12 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
         return _input_grads(n_args, tensor_idx, bwd_op(grad, *args, stats, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op, bwd_out_op)
+    op = GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op)
     _OPS[name] = op
     return op
 
 
-def _bwd_out_op(sp, lib: str, rounding: str, bwd_fake):
+def _bwd_out_op(sp, name: str, rounding: str, bwd_fake):
     """kernelgraft::<name>_bwdo(grad, args..., needs) -> [gradients..., output]: the backward of a
     site whose output is recomputed, making that output in the same pass (rowkernel.backward_with_out).
     Not called by autograd: the backward graph's pass (rewriter/recompute.py) puts it where the
@@ -146,14 +144,9 @@ def _bwd_out_op(sp, lib: str, rounding: str, bwd_fake):
         *args, needs = rest
         return [*bwd_fake(grad, *args, None, needs), _fake(sp, tuple(args), rounding)[0]]
 
-    op = torch.library.custom_op(
-        f"{lib}_bwdo",
-        impl,
-        mutates_args=(),
-        schema=f"(Tensor grad, {_schema_args(sp)}, bool[] needs) -> Tensor[]",
-    )
-    op.register_fake(fake)
-    return getattr(torch.ops.kernelgraft, f"{lib.split('::')[1]}_bwdo").default
+    return _define(
+        f"{name}_bwdo", impl, fake, f"(Tensor grad, {_schema_args(sp)}, bool[] needs) -> Tensor[]"
+    )[1]
 
 
 def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
@@ -201,23 +194,14 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(ts, needs)]
 
     second = ", ".join(f"Tensor {sp.arg_names[i]}_1" for i in tensor_idx)
-    lib = f"kernelgraft::{name}"
-    fwd = torch.library.custom_op(
-        lib,
-        fwd_impl,
-        mutates_args=(),
-        schema=f"({_schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)",
+    fwd, fwd_op = _define(
+        name, fwd_impl, fwd_fake, f"({_schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)"
     )
-    fwd.register_fake(fwd_fake)
-    bwd = torch.library.custom_op(
-        f"{lib}_bwd",
-        bwd_impl,
-        mutates_args=(),
-        schema=f"(Tensor grad_0, Tensor grad_1, {_schema_args(sp)}, {second}, Tensor stats_0, Tensor stats_1, "
-        "bool[] needs) -> Tensor[]",
+    bwd_schema = (
+        f"(Tensor grad_0, Tensor grad_1, {_schema_args(sp)}, {second}, Tensor stats_0, Tensor stats_1, "
+        "bool[] needs) -> Tensor[]"
     )
-    bwd.register_fake(bwd_fake)
-    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
+    _, bwd_op = _define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
     scalar_idx = [i for i, a in enumerate(sp.arg_names) if a in sp.scalar_names]
     all_tensor_idx = tensor_idx + [n_args + j for j in range(T)]
 
@@ -237,6 +221,6 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         return _input_grads(n_args + T, all_tensor_idx, bwd_op(g0, g1, *args, s0, s1, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    op = GraftedOp(sp, name, getattr(torch.ops.kernelgraft, name).default, bwd_op)
+    op = GraftedOp(sp, name, fwd_op, bwd_op)
     _OPS[name] = op
     return op

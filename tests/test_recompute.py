@@ -272,3 +272,74 @@ def test_every_recomputed_site_is_made_by_its_backward_kernel(monkeypatch):
     L = stock.config.num_hidden_layers
     assert counts[0] == (0, {"fwd": 3 * L + 1}), counts  # the forward graph: its sites, untouched
     assert counts[1] == (3 * L, {"fwd": 1, "_bwd": 1, "_bwdo": 3 * L}), counts
+
+
+def _site_graph(reader):
+    """x, w -> (forward again) y, stats -> reader(y) -> backward(dy, x, w, stats): the pair the pass
+    fuses, with one reader of y before the backward call; `reader` (graph, y, dy) -> the node."""
+    import operator
+
+    import torch.fx as fx
+
+    from kernelgraft.kernels import op_for
+
+    op = op_for(kernelgraft.patterns.REGISTRY.get("rms_norm", "llama"), "fused", recompute=True)
+    g = fx.Graph()
+    x, w, dy, buf = (g.placeholder(n) for n in ("x", "w", "dy", "buf"))
+    f = g.call_function(op.fwd, (x, w, 1e-6))
+    y = g.call_function(operator.getitem, (f, 0))
+    st = g.call_function(operator.getitem, (f, 1))
+    r, dy = reader(g, y, dy, buf)
+    b = g.call_function(op.bwd, (dy, x, w, 1e-6, st, [True, True]))
+    dx = g.call_function(operator.getitem, (b, 0))
+    dw = g.call_function(operator.getitem, (b, 1))
+    g.output((dx, dw, r))
+    return op, g
+
+
+def _run(g, inputs):
+    import torch.fx as fx
+
+    return fx.GraphModule(torch.nn.Module(), g)(*[t.clone() for t in inputs])
+
+
+@pytest.mark.parametrize(
+    "case, fused",
+    [
+        # y read by a pure op before the backward call: fused, the reader moved after it
+        ("pure", 1),
+        # the backward's incoming gradient made from y: moving the reader would make a cycle
+        ("feeds the gradient", 0),
+        # a reader that writes into a buffer: never moved (it could pass a read of that buffer)
+        ("mutates", 0),
+    ],
+)
+def test_the_pass_fuses_a_site_only_where_it_keeps_the_graph(case, fused):
+    from kernelgraft.rewriter.recompute import fuse_recomputed_outputs
+
+    aten = torch.ops.aten
+
+    def reader(g, y, dy, buf):
+        if case == "pure":
+            return g.call_function(aten.mul.Tensor, (y, 2.0)), dy
+        if case == "feeds the gradient":
+            r = g.call_function(aten.mul.Tensor, (y, 2.0))
+            return r, g.call_function(aten.add.Tensor, (dy, r))
+        return g.call_function(aten.add_.Tensor, (buf, y)), dy
+
+    op, g = _site_graph(reader)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(6, 64, generator=gen), torch.randn(64, generator=gen)]
+    inputs += [torch.randn(6, 64, generator=gen), torch.zeros(6, 64)]
+    before = _run(g, inputs)
+    assert fuse_recomputed_outputs(g) == fused
+    g.lint()
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert (op.bwd_out in targets) == bool(fused) and (op.fwd in targets) != bool(fused)
+    if fused:  # the reader now follows the call that makes y
+        order = list(g.nodes)
+        mul = next(n for n in order if n.target is aten.mul.Tensor)
+        assert order.index(mul) > next(i for i, n in enumerate(order) if n.target is op.bwd_out)
+    after = _run(g, inputs)
+    for a, b in zip(after, before):
+        assert torch.equal(a, b)  # on the CPU the fused pass is bitwise the pair it replaces

@@ -43,6 +43,16 @@ def _getitems(n: fx.Node, index: int) -> list[fx.Node]:
     ]
 
 
+def _pure(n: fx.Node) -> bool:
+    """A node that may move later: it mutates nothing (moving a mutation could reorder it with the
+    nodes that read what it writes)."""
+    if n.op != "call_function":
+        return False
+    if isinstance(n.target, torch._ops.OpOverload):
+        return not n.target._schema.is_mutable
+    return n.target is operator.getitem
+
+
 def _ancestors(roots) -> set:
     seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
     while todo:
@@ -87,7 +97,7 @@ def fuse_recomputed_outputs(graph: fx.Graph) -> int:
                 continue
             readers.add(n)
             todo += list(n.users)
-        if readers and readers & _ancestors([grad, *args]):
+        if readers and (not all(map(_pure, readers)) or readers & _ancestors([grad, *args])):
             continue
         with graph.inserting_before(b):
             fused = graph.call_function(op.bwd_out, (grad, *args, needs))

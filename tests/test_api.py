@@ -80,6 +80,8 @@ def test_bad_arguments_are_explained():
         kernelgraft.optimize(lambda x: x)
     with pytest.raises(ValueError, match="backend must be one of"):
         kernelgraft.optimize(torch.nn.Linear(2, 2), backend="tensorrt")
+    with pytest.raises(ValueError, match="recompute must be True, False or 'separate', got 'fused'"):
+        kernelgraft.optimize(torch.nn.Linear(2, 2), recompute="fused")
 
 
 def test_many_optimized_models_in_one_process_each_run_the_kernels(kernel_calls):

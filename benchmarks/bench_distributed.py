@@ -72,7 +72,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
-from benchlib import names  # noqa: E402
+from benchlib import idle_by_launcher, names  # noqa: E402
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
@@ -168,8 +168,10 @@ def make_batch(spec: dict, seed: int, dev: torch.device):
     return torch.randint(0, spec["cfg"]["vocab_size"], (spec["B"], spec["S"]), generator=g).to(dev)
 
 
-def measure(model, ids, steps: int, dev: torch.device) -> dict:
-    """One rank's timings; the same code for every mode, world size and device."""
+def measure(model, ids, steps: int, dev: torch.device, profile: bool = False) -> dict:
+    """One rank's timings; the same code for every mode, world size and device. profile: one more
+    step under torch.profiler, its device time and the gaps the GPU waited for the host, charged to
+    the host op that launched the kernel waited for (benchlib.idle_by_launcher)."""
     cuda = dev.type == "cuda"
 
     def synchronize():
@@ -206,7 +208,9 @@ def measure(model, ids, steps: int, dev: torch.device) -> dict:
         step()
         synchronize()
         times.append(time.perf_counter() - t)
+    prof = profile_step(step, synchronize, cuda) if profile else None
     return dict(
+        profile=prof,
         step_s=sorted(times)[len(times) // 2],
         times_s=times,
         first_step_s=first,
@@ -214,6 +218,28 @@ def measure(model, ids, steps: int, dev: torch.device) -> dict:
         peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
         peak_above_start_gib=(torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else None,
     )
+
+
+def profile_step(step, synchronize, cuda: bool) -> dict:
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dist.barrier()
+    synchronize()
+    with profile(activities=acts) as p:
+        t = time.perf_counter()
+        step()
+        synchronize()
+        wall = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        p.export_chrome_trace(path)
+        with open(path) as f:
+            got = idle_by_launcher(json.load(f))
+    got["by_op"] = [dict(ms=ms, gaps=n, op=op[:100]) for ms, n, op in got["by_op"]]
+    return dict(wall_ms=wall * 1e3, **got)
 
 
 def dynamo_counts() -> dict:
@@ -233,7 +259,7 @@ def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
     spec = TINY if a.tiny else suite.SHAPES[SETUPS[a.setup]["shape"]]
     model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world)
     ids = make_batch(spec, a.seed + rank, dev)
-    out = measure(wrapped, ids, a.steps, dev)
+    out = measure(wrapped, ids, a.steps, dev, profile=a.profile)
     out.update(rank=rank, world_size=world, tokens=ids.numel(), dynamo=dynamo_counts())
     if hasattr(model, "kernelgraft_report"):
         rep = model.kernelgraft_report
@@ -298,7 +324,7 @@ def torchrun_cmd(a, setup: str, world: int, mode: str, run_dir: str) -> list[str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     cmd += [os.path.abspath(__file__), "--worker", "--setup", setup, "--mode", mode, "--run-dir", run_dir]
     cmd += ["--steps", str(a.steps), "--seed", str(a.seed), "--device", a.device]
-    return cmd + (["--tiny"] if a.tiny else [])
+    return cmd + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
 
 
 def stop_run(p: subprocess.Popen, run_dir: str) -> None:
@@ -400,6 +426,7 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
         tokens_per_gpu=r0["tokens"],
         sites=r0.get("sites"),
         ddp_cuts=r0.get("ddp_cuts"),
+        profile=r0.get("profile"),
         dynamo=r0.get("dynamo"),
         device_name=r0.get("device_name"),
         versions=r0.get("versions"),
@@ -514,6 +541,16 @@ def markdown(doc: dict) -> str:
             f"{r['first_step_s']:.1f} | {r['loss']:.4f} |"
         )
     L += ["", *summary_lines(rows)]
+    for r in rows:
+        pr = r.get("profile")
+        if not pr or r.get("error"):
+            continue
+        top = "; ".join(f"`{x['op']}` {x['ms']:.2f} ms in {x['gaps']}" for x in pr["by_op"][:5])
+        L.append(
+            f"- {r['setup']} {r['mode']} world size {r['world_size']}, one step profiled on rank 0: "
+            f"{pr['wall_ms']:.1f} ms wall, device busy {pr['busy_ms']:.1f}, idle gaps {pr['idle_ms']:.1f} ms "
+            f"in {pr['gaps']}" + (f", by launching op: {top}" if top else "")
+        )
     L += [f"- {n}" for n in doc.get("notes", [])]
     L += [
         f"- {r['setup']} {r['mode']} world size {r['world_size']}: {r['warning']}"
@@ -583,6 +620,12 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0, help="rank r's batch comes from seed + r")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help=f"a {TINY_NAME} (float32) in every setup")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, one step under torch.profiler: rank 0's device time, and the gaps "
+        "the GPU waited for the host, by the host op that launched the kernel waited for",
+    )
     ap.add_argument("--fresh", action="store_true", help="drop the rows of an earlier DIR/distributed.json")
     ap.add_argument("--plot", metavar="JSON", help="only make the PNG of an earlier run (needs matplotlib)")
     ap.add_argument(

@@ -87,7 +87,9 @@ def idle_by_launcher(trace: dict, min_gap_us: float = 2.0, top: int = 12) -> dic
     Every gap of at least `min_gap_us` between one device event's end and the next one's start is
     charged to the host op that launched the next: the innermost `kernelgraft::` op around its launch
     call if there is one, else the innermost op. -> {idle_ms, gaps, by_op: [(ms, count, op)]}, the
-    largest `top` first. The profiler's own host cost inflates the gaps; their places are what counts.
+    largest `top` first, with busy_ms (the time some device event ran) and span_ms (first device
+    event's start to last one's end). The profiler's own host cost inflates the gaps; their places
+    are what counts.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
@@ -122,7 +124,10 @@ def idle_by_launcher(trace: dict, min_gap_us: float = 2.0, top: int = 12) -> dic
     by: dict[str, list] = {}
     end = None
     gaps = 0
+    busy = 0.0
     for e in device:
+        stop = e["ts"] + e["dur"]
+        busy += max(0.0, stop - max(e["ts"], end if end is not None else e["ts"]))
         if end is not None and e["ts"] - end >= min_gap_us:
             corr = e.get("args", {}).get("correlation")
             name = launched_by.get(corr, "(launch not traced)")
@@ -132,4 +137,7 @@ def idle_by_launcher(trace: dict, min_gap_us: float = 2.0, top: int = 12) -> dic
             gaps += 1
         end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
     rows = sorted(((ms, n, name) for name, (ms, n) in by.items()), reverse=True)
-    return dict(idle_ms=sum(r[0] for r in rows), gaps=gaps, by_op=rows[:top])
+    span = (end - device[0]["ts"]) / 1e3 if device else 0.0
+    return dict(
+        idle_ms=sum(r[0] for r in rows), gaps=gaps, by_op=rows[:top], busy_ms=busy / 1e3, span_ms=span
+    )

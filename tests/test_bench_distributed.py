@@ -19,6 +19,7 @@ SETUPS = ("ddp-1b",)
 def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny"]
     cmd += ["--setups", ",".join(SETUPS), "--world-sizes", "1,2", "--modes", ",".join(MODES), "--steps", "2"]
+    cmd += ["--profile"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
@@ -31,6 +32,10 @@ def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
         assert x["peak_gib_per_gpu"] is None, key  # no CUDA memory statistics on the CPU
         assert x["tokens_per_gpu"] == 2 * 16 and len(x["losses"]) == x["world_size"], key
         assert x["scaling_efficiency"] > 0, key
+        # --profile: one more step under torch.profiler on rank 0; on the CPU no device events,
+        # so no busy time and no gaps to charge (the GPU host's rows have them)
+        pr = x["profile"]
+        assert pr["wall_ms"] > 0 and pr["busy_ms"] == 0 and pr["gaps"] == 0 and pr["by_op"] == [], key
     for s in SETUPS:
         for w in (1, 2):
             # same seed, same batch per rank: the same loss, on every rank
@@ -44,6 +49,7 @@ def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
     for m in MODES:
         assert f"| {m} |" in md
     assert "world size 2: fastest is" in md
+    assert "one step profiled on rank 0:" in md
 
 
 def test_more_ranks_than_gpus_is_refused_with_what_to_pass(tmp_path):

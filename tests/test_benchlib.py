@@ -70,3 +70,5 @@ def test_idle_by_launcher_charges_each_gap_to_the_op_that_launched_the_next_kern
     assert got["gaps"] == 2
     assert got["by_op"] == [(0.2, 1, "kernelgraft::rms_norm"), (0.045, 1, "aten::mm")]
     assert abs(got["idle_ms"] - 0.245) < 1e-12
+    # busy: [50, 60] + [260, 400] (a kernel and an overlapping copy) + [445, 465] + [466, 471]
+    assert abs(got["busy_ms"] - 0.175) < 1e-12 and abs(got["span_ms"] - 0.421) < 1e-12

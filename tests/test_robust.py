@@ -159,6 +159,21 @@ def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
     assert len(configs) <= 5 * len(widths), sorted(configs)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_dynamic_true_serves_every_site(backend):
+    # with dynamic=True dynamo makes the floats a model reads (RMSNorm's eps) graph inputs, and the
+    # norms no longer matched (a near miss: "`eps` is a Scalar in the pattern but the model has
+    # opaque:item(...)"); optimize keeps floats specialized. One capture serves both lengths
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend, dynamic=True)
+    for S in (10, 17):
+        bad = [str(v) for v in compare_models(mine, stock, batch(B=2, S=S), compiled=False) if not v.ok]
+        assert not bad, (S, bad)
+    rep = mine.kernelgraft_report
+    assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}, str(rep)
+    assert rep.graphs == 1 and not rep.near_misses
+
+
 def test_gpu_launch_configs_depend_on_the_width_only():
     # one compiled kernel per width on a GPU, however many rows (tokens) a step has
     from kernelgraft.kernels.rowkernel import _config

@@ -27,7 +27,9 @@ def optimize(
 
     State-dict keys, `save_pretrained`/`from_pretrained`, peft and Trainer keep working; other
     models in the process are untouched. The report of what each capture replaced accumulates in
-    `model.kernelgraft_report`.
+    `model.kernelgraft_report`. `dynamic` is torch.compile's; floats the model reads (a norm's
+    eps) stay constants of the captured graph even with `dynamic=True`, so that the patterns that
+    take them as numbers match (a float that changes between calls recompiles).
 
     The LM head and its loss are fused in training (labels given, gradients on): the full logits
     are never made, so `output.logits` is then a `WithheldLogits` that raises, saying so, when
@@ -132,7 +134,11 @@ def _withheld(v) -> bool:
 
 
 def _call(compiled, model, *args, **kwargs):
-    out = compiled(model, *args, **kwargs)
+    # floats the model reads (a norm's eps, a logit scale) stay numbers in the captured graph: with
+    # dynamic=True dynamo would make them inputs, and the patterns that take them as a Scalar
+    # (RMSNorm's eps) would no longer match. A float that changes between calls recompiles instead.
+    with torch._dynamo.config.patch(specialize_float=True):
+        out = compiled(model, *args, **kwargs)
     # the marker first (two type checks per call); the report only confirms what it is
     if isinstance(out, dict) and _withheld(out.get("logits")):  # ModelOutput is a dict
         if _withholds(model):

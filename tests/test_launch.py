@@ -45,13 +45,43 @@ def test_hf_layouts_are_read_in_place():
     q, cos, sin = rope_inputs(2, 4, 6, 8)
     shape = q.shape
     out = torch.empty(shape)
-    sizes, strides, views = rowkernel._rows(shape, [q, cos, sin, out])
+    sizes, strides, views = rowkernel._rows(shape, [q, cos, sin, out], main=0)
     assert [v.data_ptr() for v in views] == [t.data_ptr() for t in (q, cos, sin, out)]  # no copies
-    assert sizes == [2, 4, 6]
+    # the rows follow q's memory order (batch, position, head): a block of rows is one position's
+    # heads, which read one row of cos and sin
+    assert sizes == [2, 6, 4]
     # (D0, D1, D2) strides, then the column stride
-    assert strides[0] == [6 * 4 * 8, 8, 4 * 8, 1]  # q transposed: heads are the inner stride
-    assert strides[1] == [6 * 8, 0, 8, 1] == strides[2]  # cos/sin: stride 0 over heads
-    assert strides[3] == [4 * 6 * 8, 6 * 8, 8, 1]
+    assert strides[0] == [6 * 4 * 8, 4 * 8, 8, 1]  # q: contiguous rows, heads innermost
+    assert strides[1] == [6 * 8, 8, 0, 1] == strides[2]  # cos/sin: stride 0 over heads
+    assert strides[3] == [4 * 6 * 8, 8, 6 * 8, 1]  # out (batch, head, position): written in place
+
+
+def test_rope_walks_rows_in_the_memory_order_of_q_and_a_norm_as_given(monkeypatch):
+    # the launcher's choice, forward and backward: RoPE (no row statistics) walks q's (batch,
+    # position, head) memory order; RMSNorm (row statistics stored by place in the walk) keeps the
+    # order as given. The numbers are the eager spelling's either way
+    seen = []
+    rows = rowkernel._rows
+    monkeypatch.setattr(
+        rowkernel,
+        "_rows",
+        lambda shape, ts, main=None: (seen.append((main, rows(shape, ts, main)[0])), rows(shape, ts, main))[
+            1
+        ],
+    )
+    q, cos, sin = rope_inputs(2, 4, 6, 8)
+    y = op_for(ROPE)(q, cos, sin)
+    (gq,) = torch.autograd.grad(y, (q,), torch.ones_like(y))
+    assert seen == [(0, [2, 6, 4]), (1, [2, 6, 4])], seen
+    want = rope_eager(q, cos, sin)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    torch.testing.assert_close(
+        gq, torch.autograd.grad(want, (q,), torch.ones_like(want))[0], rtol=1e-6, atol=1e-6
+    )
+    seen.clear()
+    x = torch.randn(2, 6, 4, 16).transpose(1, 2).requires_grad_()
+    torch.autograd.grad(op_for(RMS)(x, torch.ones(16), 1e-6).sum(), (x,))
+    assert [m for m, _ in seen] == [None, None], seen
 
 
 def test_contiguous_dims_collapse_and_unit_dims_drop():
@@ -90,6 +120,10 @@ def test_more_than_three_irregular_dims_fall_back_to_a_copy_and_stay_exact(dtype
     w = torch.randn(16).to(dtype).requires_grad_()
     sizes, _, views = rowkernel._rows(x.shape, [x])
     assert views[0].is_contiguous() and sizes == [1, 1, 120]
+    # walked in its own memory order (kernels without row statistics), the same tensor is one
+    # contiguous run of rows: read in place
+    sizes, strides, views = rowkernel._rows(x.shape, [x], main=0)
+    assert views[0].data_ptr() == x.data_ptr() and sizes == [1, 1, 120] and strides[0] == [0, 0, 16, 1]
     op = op_for(RMS)
     y = op(x, w, 1e-6)
     xc = x.detach().contiguous().requires_grad_()

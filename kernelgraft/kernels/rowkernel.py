@@ -219,13 +219,18 @@ def _sm_count(index) -> int:
 
 
 def _rows(
-    shape: torch.Size, tensors: list[torch.Tensor]
+    shape: torch.Size, tensors: list[torch.Tensor], main: int | None = None
 ) -> tuple[list[int], list[list[int]], list[torch.Tensor]]:
     """The leading dims of `shape` collapsed to three (D0, D1, D2), with each tensor's strides over
-    them (0 where it broadcasts): the kernel reads transposed and broadcast arguments in place. Dims
-    merge where every tensor is contiguous across them; where more than three remain, the tensors are
-    copied to contiguous (correct, slower) -> (sizes, strides, the tensors as passed)."""
-    key = (tuple(shape), tuple((tuple(t.shape), t.stride()) for t in tensors))
+    them (0 where it broadcasts): the kernel reads transposed and broadcast arguments in place. With
+    `main`, the rows are walked in the memory order of tensors[main] (the spelling's first full-size
+    argument): Hugging Face's q and k are (batch, head, position) views of (batch, position, head)
+    memory, so a block of rows is one position's heads, which read one row of cos and sin. Only for
+    kernels without row statistics: those are stored by the row's place in the walk, which the
+    forward and the backward must then agree on whatever their tensors' strides. Dims merge where every
+    tensor is contiguous across them; where more than three remain, the tensors are copied to
+    contiguous (correct, slower) -> (sizes, strides, the tensors as passed)."""
+    key = (tuple(shape), tuple((tuple(t.shape), t.stride()) for t in tensors), main)
     sizes, strides, copy = _row_plan(key)
     if not copy:
         return sizes, [list(st) for st in strides], tensors
@@ -237,32 +242,45 @@ def _rows(
 def _row_plan(key) -> tuple[list[int], tuple, bool]:
     """(sizes, per-tensor strides, whether the tensors must be copied to contiguous first), from
     the shape and each tensor's (shape, strides): cached, the launcher runs it on every call."""
-    shape, metas = key
-    lead = list(shape[:-1])
+    shape, metas, main = key
+    n = len(shape) - 1
     for copy in (False, True):
         if copy:
             full = [1] * len(shape)
             for i in range(len(shape) - 2, -1, -1):
                 full[i] = full[i + 1] * shape[i + 1]
-            expanded = [full for _ in metas]
+            given = [full for _ in metas]
         else:
-            expanded = [_expanded_strides(shape, s, st) for s, st in metas]
-        keep = [i for i, n in enumerate(lead) if n != 1]
-        sizes = [lead[i] for i in keep]
-        strides = [[st[i] for i in keep] for st in expanded]
-        k = len(sizes) - 1
-        while k > 0:
-            if all(st[k - 1] == st[k] * sizes[k] for st in strides):
-                sizes[k - 1 : k + 1] = [sizes[k - 1] * sizes[k]]
-                for st in strides:
-                    st[k - 1 : k + 1] = [st[k]]
-            k -= 1
-        if len(sizes) <= 3:
-            pad = 3 - len(sizes)
-            # each tensor: strides over (D0, D1, D2), then its column stride (0 if it broadcasts there)
-            cols = [st[-1] for st in expanded]
-            return [1] * pad + sizes, tuple(tuple([0] * pad + st + [c]) for st, c in zip(strides, cols)), copy
+            given = [_expanded_strides(shape, s, st) for s, st in metas]
+        # the leading dims in the main tensor's memory order, outermost first (stable: ties and
+        # contiguous tensors keep their order); if that leaves more than three, the order as given
+        memory = range(n) if main is None else sorted(range(n), key=lambda i: -given[main][i])
+        for order in dict.fromkeys((tuple(memory), tuple(range(n)))):
+            plan = _collapse([shape[i] for i in order], [[st[i] for i in order] + [st[-1]] for st in given])
+            if plan is not None:
+                return (*plan, copy)
     raise AssertionError("contiguous tensors always collapse")  # pragma: no cover
+
+
+def _collapse(lead: list[int], expanded: list[list[int]]):
+    """Unit dims dropped and dims merged where every tensor is contiguous across them -> (sizes
+    padded to three, per-tensor strides over them and the column) or None if more than three remain."""
+    keep = [i for i, n in enumerate(lead) if n != 1]
+    sizes = [lead[i] for i in keep]
+    strides = [[st[i] for i in keep] for st in expanded]
+    k = len(sizes) - 1
+    while k > 0:
+        if all(st[k - 1] == st[k] * sizes[k] for st in strides):
+            sizes[k - 1 : k + 1] = [sizes[k - 1] * sizes[k]]
+            for st in strides:
+                st[k - 1 : k + 1] = [st[k]]
+        k -= 1
+    if len(sizes) > 3:
+        return None
+    pad = 3 - len(sizes)
+    # each tensor: strides over (D0, D1, D2), then its column stride (0 if it broadcasts there)
+    cols = [st[-1] for st in expanded]
+    return [1] * pad + sizes, tuple(tuple([0] * pad + st + [c]) for st, c in zip(strides, cols))
 
 
 def _expanded_strides(shape, tshape, tstride) -> list[int]:
@@ -314,6 +332,14 @@ def _shareable(groups: list[_Group]) -> bool:
             if first.lay.kinds[n] == "col" and not _same(t, first.tensors[n]):
                 return False
     return True
+
+
+def _main(k: RowKernel, g: _Group, elems: list[torch.Tensor]) -> int | None:
+    """The index in `elems` of the first full-size one, whose memory order the rows follow; None
+    (the order as given) for a kernel with row statistics (see _rows)."""
+    if k.spec.reductions:
+        return None
+    return next(i for i, t in enumerate(elems) if tuple(t.shape) == tuple(g.lay.shape))
 
 
 def _kernel(spelling, g: _Group, rounding: str) -> RowKernel:
@@ -381,7 +407,7 @@ def forward_group(
         stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
         results.append((out, stats))
         elems = [g.tensors[n] for n in g.tensors if g.lay.kinds[n] == "elem"]
-        sizes, strides, views = _rows(g.lay.shape, [*elems, out])
+        sizes, strides, views = _rows(g.lay.shape, [*elems, out], main=_main(k, g, elems))
         for v, st in zip(views, strides):
             gargs += _strided(v, st)
         gargs += [stats, g.lay.M if N else 0, sizes[1], sizes[2]]
@@ -508,7 +534,10 @@ def backward_group(
         if with_out:
             fwd_outs.append(torch.empty(g.lay.shape, dtype=k.spec.out_dtype, device=dev))
             outs.append(fwd_outs[-1])
-        sizes, strides, views = _rows(g.lay.shape, [grad, *elems, *outs])
+        main = _main(k, g, elems)
+        sizes, strides, views = _rows(
+            g.lay.shape, [grad, *elems, *outs], main=None if main is None else 1 + main
+        )
         flat = [_strided(v, s) for v, s in zip(views, strides)]
         gargs += [a for f in flat[: 1 + len(elems)] for a in f] + ([] if with_out else [st])
         done = iter(flat[1 + len(elems) :])

@@ -72,7 +72,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
-from benchlib import idle_by_launcher, names  # noqa: E402
+from benchlib import names, profile_idle  # noqa: E402
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
@@ -208,7 +208,9 @@ def measure(model, ids, steps: int, dev: torch.device, profile: bool = False) ->
         step()
         synchronize()
         times.append(time.perf_counter() - t)
-    prof = profile_step(step, synchronize, cuda) if profile else None
+    if profile:
+        dist.barrier()
+    prof = profile_idle(step, synchronize, cuda) if profile else None
     return dict(
         profile=prof,
         step_s=sorted(times)[len(times) // 2],
@@ -218,28 +220,6 @@ def measure(model, ids, steps: int, dev: torch.device, profile: bool = False) ->
         peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
         peak_above_start_gib=(torch.cuda.max_memory_allocated(dev) - base) / 2**30 if cuda else None,
     )
-
-
-def profile_step(step, synchronize, cuda: bool) -> dict:
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    dist.barrier()
-    synchronize()
-    with profile(activities=acts) as p:
-        t = time.perf_counter()
-        step()
-        synchronize()
-        wall = time.perf_counter() - t
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        p.export_chrome_trace(path)
-        with open(path) as f:
-            got = idle_by_launcher(json.load(f))
-    got["by_op"] = [dict(ms=ms, gaps=n, op=op[:100]) for ms, n, op in got["by_op"]]
-    return dict(wall_ms=wall * 1e3, **got)
 
 
 def dynamo_counts() -> dict:

@@ -78,6 +78,31 @@ def saved_bytes(model: torch.nn.Module, loss_fn) -> int:
     return sum(b for b, _ in saved_for_backward(model, loss_fn).values())
 
 
+def profile_idle(step, synchronize, cuda: bool = True) -> dict:
+    """One call of `step` under torch.profiler with host activity (and the device's if `cuda`):
+    its wall time, and idle_by_launcher of its trace (by_op as dicts, for JSON)."""
+    import json
+    import os
+    import tempfile
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+        t = time.perf_counter()
+        step()
+        synchronize()
+        wall = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        p.export_chrome_trace(path)
+        with open(path) as f:
+            got = idle_by_launcher(json.load(f))
+    got["by_op"] = [dict(ms=ms, gaps=n, op=op[:100]) for ms, n, op in got["by_op"]]
+    return dict(wall_ms=wall * 1e3, **got)
+
+
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
-from benchlib import idle_by_launcher, names, peak_above, profile_kernels, saved_bytes  # noqa: E402
+from benchlib import names, peak_above, profile_idle, profile_kernels, saved_bytes  # noqa: E402
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
 
@@ -364,27 +364,9 @@ def profile_steps(step, n: int) -> dict:
         busy_ms=busy,
         classes_ms=classes,
         top=[dict(ms=m, kernel=k) for m, k in top[:15]],
-        idle=idle_of_step(step),
+        # one more step with host activity too: the idle gaps by the op that launched the kernel waited for
+        idle=profile_idle(step, torch.cuda.synchronize),
     )
-
-
-def idle_of_step(step) -> dict:
-    """One more step profiled with host activity too: the GPU's idle gaps charged to the host op
-    that launched the kernel the GPU waited for (benchlib.idle_by_launcher)."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        p.export_chrome_trace(path)
-        got = idle_by_launcher(json.load(open(path)))
-    got["by_op"] = [dict(ms=ms, gaps=n, op=op[:100]) for ms, n, op in got["by_op"]]
-    return got
 
 
 def loss_curves(steps=50):

@@ -83,11 +83,16 @@ def _graph_with_a_recomputed_call():
     return dict(call=call, out=out, a=a, b=b, late=late, c=c, sl=sl, d=d)
 
 
+def _moves(graph, piece_of) -> dict:
+    """node -> the piece it moves to, over all of backend._move_groups' groups."""
+    from kernelgraft.rewriter.backend import _move_groups
+
+    return {n: to for group in _move_groups(graph, piece_of) for n, to in group.items()}
+
+
 def test_ddp_cut_keeps_a_recomputed_call_with_its_readers():
     # the plan applied while DDPOptimizer cuts a graph (rewriter/backend.py): pieces by number, in
     # graph order, as DDPOptimizer numbers them
-    from kernelgraft.rewriter.backend import _moves
-
     n = _graph_with_a_recomputed_call()
     g = n["call"].graph
     # readers in pieces 1, 2, 3 (and the slice's reader in 2); c's other input made in piece 3
@@ -117,7 +122,7 @@ def test_ddp_cut_moves_keep_autocast_switches_in_place():
 
     import torch.fx as fx
 
-    from kernelgraft.rewriter.backend import _in_piece_order, _move_groups, _moves
+    from kernelgraft.rewriter.backend import _in_piece_order, _move_groups
     from kernelgraft.rewriter.replace import RECOMPUTE_META
 
     def graph(switch_between: bool):

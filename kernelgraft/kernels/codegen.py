@@ -274,8 +274,8 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     if with_out:  # the forward's work, on the row already loaded: statistics, then the output
         L += _reduction_lines(spec, IND, stats_store=False)
         L += _output_lines(spec, IND)
-    for k, red in enumerate(spec.reductions):
-        if not with_out:
+    else:
+        for k, red in enumerate(spec.reductions):
             L.append(f"{IND}{red.symbol} = tl.load(stats_ptr + rows * {K} + {k}, mask=rmask, other=1.0)")
     for a, summand in bwd.adjoints:
         L.append(f"{IND}# {a} = sum_j({summand})")

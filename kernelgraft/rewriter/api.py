@@ -58,17 +58,17 @@ def optimize(
         raise TypeError(f"kernelgraft.optimize: expected a torch.nn.Module, got {type(model).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"kernelgraft.optimize: backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(recompute, bool) and recompute != "separate":
+        raise ValueError(
+            f"kernelgraft.optimize: recompute must be True, False or 'separate', got {recompute!r}"
+        )
     options = dict(
         keep_logits=keep_logits,
         lm_head_chunk=lm_head_chunk,
         lm_head_accumulate=lm_head_accumulate,
         causal_attention=bool(causal_attention),
-        recompute=recompute if recompute == "separate" else bool(recompute),
+        recompute=recompute,
     )
-    if not isinstance(recompute, bool) and recompute != "separate":
-        raise ValueError(
-            f"kernelgraft.optimize: recompute must be True, False or 'separate', got {recompute!r}"
-        )
     if lm_head_accumulate not in ("fp32", "weight"):
         raise ValueError(
             f"kernelgraft.optimize: lm_head_accumulate must be 'fp32' or 'weight', got {lm_head_accumulate!r}"

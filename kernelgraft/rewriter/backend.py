@@ -152,7 +152,7 @@ def _graft_before_ddp_splits() -> None:
 @contextlib.contextmanager
 def _recomputed_outputs_kept_with_their_readers(log: list):
     """While DDPOptimizer cuts a grafted graph: keep each kernel call whose outputs are tagged for
-    recompute (replace._rewrite) in one piece with the ops that read those outputs (_moves). An
+    recompute (replace._rewrite) in one piece with the ops that read those outputs (_move_groups). An
     output read across a cut is an input of the later piece, which saves it, so its recompute would
     be lost: with 25 MB buckets the cut falls between a 1B model's gated MLP and its down projection
     (32 MB of weight fill a bucket), and between its gate and up projections, which read the same
@@ -205,11 +205,6 @@ def _movable(n: torch.fx.Node) -> bool:
     if isinstance(n.target, torch._ops.OpOverload):
         return not n.target._schema.is_mutable
     return getattr(n.target, "__name__", None) in _MOVABLE
-
-
-def _moves(graph: torch.fx.Graph, piece_of) -> dict:
-    """node -> the piece it moves to, over all of _move_groups."""
-    return {n: to for group in _move_groups(graph, piece_of) for n, to in group.items()}
 
 
 def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:

@@ -53,15 +53,20 @@ def _pure(n: fx.Node) -> bool:
     return n.target is operator.getitem
 
 
-def _ancestors(roots) -> set:
+def _feeds(nodes: set, roots, order: dict) -> bool:
+    """Whether any of `nodes` is an input, direct or not, of the `roots`. The walk up stops at the
+    first of `nodes` in graph order: nothing earlier can be one of them."""
+    floor = min(order[n] for n in nodes)
     seen, todo = set(), [r for r in roots if isinstance(r, fx.Node)]
     while todo:
         n = todo.pop()
-        if n in seen:
+        if n in seen or order[n] < floor:
             continue
+        if n in nodes:
+            return True
         seen.add(n)
         todo += n.all_input_nodes
-    return seen
+    return False
 
 
 def fuse_recomputed_outputs(graph: fx.Graph) -> int:
@@ -97,7 +102,7 @@ def fuse_recomputed_outputs(graph: fx.Graph) -> int:
                 continue
             readers.add(n)
             todo += list(n.users)
-        if readers and (not all(map(_pure, readers)) or readers & _ancestors([grad, *args])):
+        if readers and (not all(map(_pure, readers)) or _feeds(readers, [grad, *args], order)):
             continue
         with graph.inserting_before(b):
             fused = graph.call_function(op.bwd_out, (grad, *args, needs))

@@ -130,11 +130,14 @@ def fully_shard_fn():
     return fully_shard
 
 
-def wrap(model, how: str, dev: torch.device):
+def wrap(model, how: str, dev: torch.device, bucket_mb: float | None = None):
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        # bucket_mb: DDP's gradient buckets (default 25 MB), which also set where dynamo's
+        # DDPOptimizer cuts a compiled graph into pieces: the same for every mode of a run
+        size = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, **size)
     fully_shard = fully_shard_fn()
     keep = {"reshard_after_forward": False} if how == "fsdp2-keep" else {}
     for layer in model.model.layers:
@@ -142,7 +145,7 @@ def wrap(model, how: str, dev: torch.device):
     return fully_shard(model, **keep)
 
 
-def prepare(setup: str, mode: str, dev: torch.device, tiny: bool, world: int):
+def prepare(setup: str, mode: str, dev: torch.device, tiny: bool, world: int, bucket_mb: float | None = None):
     """The model of one run, in the same order for every mode (the order tests/dist_worker.py checks
     under DDP and FSDP2 on gloo):
       1. build it on this rank's device from seed 0 (the same weights on every rank);
@@ -151,15 +154,16 @@ def prepare(setup: str, mode: str, dev: torch.device, tiny: bool, world: int):
       3. then wrap it: DDP(model), or fully_shard(layer) for every decoder layer and then
          fully_shard(model).
     At world size 1 step 3 is skipped: the model is measured unwrapped, a plain one-GPU step.
-    Note: compiling inside the wrapper, dynamo never sees DDP, so DDP's graph splitting at bucket
-    boundaries (DDPOptimizer) does not apply: a compiled backward yields its gradients at its end."""
+    Compiled before it is wrapped, the model still runs inside DDP's forward, where dynamo finds the
+    active DDP module: DDPOptimizer cuts the graph into pieces at DDP's bucket size, so a compiled
+    backward yields its gradients piece by piece (a kernelgraft row's ddp_cuts counts the pieces)."""
     if tiny:
         model = build_tiny(mode, dev)
     else:
         if dev.type != "cuda":
             raise ValueError("the full shapes run on cuda only: pass --tiny with --device cpu")
         model = suite.build(SETUPS[setup]["shape"], mode)
-    wrapped = model if world == 1 else wrap(model, SETUPS[setup]["wrap"], dev)
+    wrapped = model if world == 1 else wrap(model, SETUPS[setup]["wrap"], dev, bucket_mb)
     return model, wrapped
 
 
@@ -237,7 +241,7 @@ def dynamo_counts() -> dict:
 def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
     dev = init_rank(a.device, local_rank)
     spec = TINY if a.tiny else suite.SHAPES[SETUPS[a.setup]["shape"]]
-    model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world)
+    model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world, a.bucket_mb)
     ids = make_batch(spec, a.seed + rank, dev)
     out = measure(wrapped, ids, a.steps, dev, profile=a.profile)
     out.update(rank=rank, world_size=world, tokens=ids.numel(), dynamo=dynamo_counts())
@@ -304,6 +308,7 @@ def torchrun_cmd(a, setup: str, world: int, mode: str, run_dir: str) -> list[str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     cmd += [os.path.abspath(__file__), "--worker", "--setup", setup, "--mode", mode, "--run-dir", run_dir]
     cmd += ["--steps", str(a.steps), "--seed", str(a.seed), "--device", a.device]
+    cmd += [] if a.bucket_mb is None else ["--bucket-mb", str(a.bucket_mb)]
     return cmd + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
 
 
@@ -497,7 +502,9 @@ def markdown(doc: dict) -> str:
         f"{doc.get('device_name', '?')}, "
         f"{doc['date']}, {doc.get('versions', '?')}, median of {doc['steps']} steps\n",
         "World size 1: the model unwrapped on one device (the baseline); world size N: N ranks, each "
-        "with its own batch of the same shape. Scaling efficiency: tok/s per GPU at N over at 1.\n",
+        "with its own batch of the same shape. Scaling efficiency: tok/s per GPU at N over at 1."
+        + (f" DDP buckets of {doc['bucket_mb']:g} MB (bucket_cap_mb) in every mode." if doc.get("bucket_mb") else "")
+        + "\n",
     ]
     for setup in dict.fromkeys(r["setup"] for r in rows):
         r0 = next(r for r in rows if r["setup"] == setup)
@@ -598,6 +605,13 @@ def parse(argv):
     )
     ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun (one setup, size, mode)")
     ap.add_argument("--seed", type=int, default=0, help="rank r's batch comes from seed + r")
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket_cap_mb for every mode (default: DDP's own, 25); under torch.compile it also "
+        "sets the size of the pieces DDPOptimizer cuts the graph into",
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help=f"a {TINY_NAME} (float32) in every setup")
     ap.add_argument(
@@ -676,7 +690,7 @@ def load_doc(a, notes: list[str]) -> tuple[dict, str]:
         with open(path) as f:
             doc = json.load(f)
         print(f"note: updating the {len(doc['rows'])} rows of {path} (--fresh starts over)", flush=True)
-    doc.update(date=datetime.date.today().isoformat(), steps=a.steps, notes=notes)
+    doc.update(date=datetime.date.today().isoformat(), steps=a.steps, bucket_mb=a.bucket_mb, notes=notes)
     return doc, path
 
 

@@ -130,9 +130,11 @@ def run_recompute(port):
             # nodes moved at DDP's cuts to keep recomputed calls with their readers (the report says)
             cuts = mine.kernelgraft_report.ddp_cuts
             moved = sum(c["moved"] for c in cuts)
+            pieces = sum(c.get("pieces", 0) for c in cuts)
             kept = [c["kept_ddp_cut"] for c in cuts if "kept_ddp_cut" in c]  # why a plan was dropped
             print(
-                f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} kept {kept} grads {ok}",
+                f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} kept {kept} grads {ok} "
+                f"pieces {pieces}",
                 flush=True,
             )
     dist.destroy_process_group()

@@ -19,7 +19,7 @@ SETUPS = ("ddp-1b",)
 def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny"]
     cmd += ["--setups", ",".join(SETUPS), "--world-sizes", "1,2", "--modes", ",".join(MODES), "--steps", "2"]
-    cmd += ["--profile"]
+    cmd += ["--profile", "--bucket-mb", "1"]  # DDP's smallest allowed (its first bucket)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
@@ -46,6 +46,7 @@ def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
         two = by[(s, 2, "eager")]["losses"]
         assert two[0] != two[1], "each rank must run its own batch"
     md = (tmp_path / "distributed.md").read_text()
+    assert "DDP buckets of 1 MB (bucket_cap_mb) in every mode." in md
     for m in MODES:
         assert f"| {m} |" in md
     assert "world size 2: fastest is" in md

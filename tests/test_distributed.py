@@ -68,6 +68,9 @@ def test_recompute_survives_ddp_cutting_the_graph():
         r.stdout
     )
     assert len(got) == 4, r.stdout
+    # and how many pieces it cut the graph into: one per matmul at least, under DDP only
+    pieces = {(rc == "True", ddp == "True"): int(p) for rc, ddp, p in re.findall(r"recompute (\w+) ddp (\w+) .* pieces (\d+)", r.stdout)}
+    assert pieces[True, True] > 7 and pieces[False, True] > 7 and pieces[True, False] == pieces[False, False] == 0, r.stdout
     assert got[True, True][2] == "ok" and got[False, True][2] == "ok", r.stdout  # the rule, under DDP
     # per layer (2): the MLP's gate and up, which its kernel's backward reads; its output too only
     # where it is not recomputed

@@ -163,6 +163,8 @@ def _recomputed_outputs_kept_with_their_readers(log: list):
 
     def split_module(m, root_m, split_callback, *args, **kwargs):
         entry = dict(recomputed=sum(1 for n in m.graph.nodes if n.meta.get(RECOMPUTE_META)), moved=0)
+        with contextlib.suppress(Exception):  # a count for the report only
+            entry["pieces"] = len({split_callback(n) for n in m.graph.nodes if n.op not in ("placeholder", "output")})
         log.append(entry)
         try:
             groups = _move_groups(m.graph, split_callback)

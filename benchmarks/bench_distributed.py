@@ -503,7 +503,11 @@ def markdown(doc: dict) -> str:
         f"{doc['date']}, {doc.get('versions', '?')}, median of {doc['steps']} steps\n",
         "World size 1: the model unwrapped on one device (the baseline); world size N: N ranks, each "
         "with its own batch of the same shape. Scaling efficiency: tok/s per GPU at N over at 1."
-        + (f" DDP buckets of {doc['bucket_mb']:g} MB (bucket_cap_mb) in every mode." if doc.get("bucket_mb") else "")
+        + (
+            f" DDP buckets of {doc['bucket_mb']:g} MB (bucket_cap_mb) in every mode."
+            if doc.get("bucket_mb")
+            else ""
+        )
         + "\n",
     ]
     for setup in dict.fromkeys(r["setup"] for r in rows):

@@ -27,6 +27,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -233,7 +234,7 @@ def build(shape, mode):
 def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
     ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
-    recompute"), or Liger's
+    recompute", "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
@@ -241,10 +242,18 @@ def apply_mode(model, mode: str):
         import kernelgraft
 
         acc = "weight" if "bf16 dW" in mode else "fp32"
+        # "... ddp pieces 200 MB": optimize's ddp_piece_mb; "... ddp pieces at buckets": None
+        pieces = re.search(r"ddp pieces (at buckets|[0-9.]+ MB)", mode)
+        piece = (
+            {}
+            if not pieces
+            else {"ddp_piece_mb": None if pieces[1] == "at buckets" else float(pieces[1][:-3])}
+        )
         kernelgraft.optimize(
             model,
             backend="eager" if "(eager" in mode else "inductor",
             lm_head_accumulate=acc,
+            **piece,
             recompute=False
             if "no recompute" in mode
             else "separate"

@@ -115,10 +115,21 @@ def run_recompute(port):
         loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, "ddp")),
         loss_and_grads(stock, b, wrapped=wrap(stock, "ddp")),
     )
-    for recompute in (True, False):
-        for wrapped in (False, True):
+    # (recompute, under DDP, ddp_piece_mb): at None kernelgraft cuts where DDP's buckets fill (here
+    # at every parameter); at 0.1 MiB it cuts pieces of at least that (a few, for this 0.3 MB model)
+    runs = [
+        (True, False, None),
+        (True, True, None),
+        (False, False, None),
+        (False, True, None),
+        (True, True, 0.1),
+    ]
+    for recompute, wrapped, piece in runs:
+        if True:
             torch._dynamo.reset()
-            mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor", recompute=recompute)
+            mine = kernelgraft.optimize(
+                copy.deepcopy(stock), backend="inductor", recompute=recompute, ddp_piece_mb=piece
+            )
             run = wrap(mine, "ddp") if wrapped else mine
             saved = saved_for_backward(run, lambda run=run: run(**b, use_cache=False).loss)
             mlp = sum(1 for _, shape in saved.values() if shape and shape[-1] == width)
@@ -134,7 +145,7 @@ def run_recompute(port):
             kept = [c["kept_ddp_cut"] for c in cuts if "kept_ddp_cut" in c]  # why a plan was dropped
             print(
                 f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} kept {kept} grads {ok} "
-                f"pieces {pieces}",
+                f"pieces {pieces} at {piece}",
                 flush=True,
             )
     dist.destroy_process_group()

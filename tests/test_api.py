@@ -82,6 +82,13 @@ def test_bad_arguments_are_explained():
         kernelgraft.optimize(torch.nn.Linear(2, 2), backend="tensorrt")
     with pytest.raises(ValueError, match="recompute must be True, False or 'separate', got 'fused'"):
         kernelgraft.optimize(torch.nn.Linear(2, 2), recompute="fused")
+    for bad in (0, -5.0, "100", True):
+        with pytest.raises(
+            ValueError, match=r"ddp_piece_mb must be a positive size in MiB or None \(DDP's own"
+        ):
+            kernelgraft.optimize(torch.nn.Linear(2, 2), ddp_piece_mb=bad)
+    m = torch.nn.Linear(2, 2)
+    assert kernelgraft.optimize(m, ddp_piece_mb=None) is m and kernelgraft.optimize(m, ddp_piece_mb=12.5) is m
 
 
 def test_many_optimized_models_in_one_process_each_run_the_kernels(kernel_calls):

@@ -72,3 +72,34 @@ def test_idle_by_launcher_charges_each_gap_to_the_op_that_launched_the_next_kern
     assert abs(got["idle_ms"] - 0.245) < 1e-12
     # busy: [50, 60] + [260, 400] (a kernel and an overlapping copy) + [445, 465] + [466, 471]
     assert abs(got["busy_ms"] - 0.175) < 1e-12 and abs(got["span_ms"] - 0.421) < 1e-12
+
+
+def test_suite_modes_pass_their_options_to_optimize(monkeypatch):
+    # a mode's words become optimize's arguments: what a benchmark row says it ran is what ran
+    import suite
+
+    import kernelgraft
+
+    got = []
+    monkeypatch.setattr(kernelgraft, "optimize", lambda model, **kw: got.append(kw) or model)
+    m = torch.nn.Linear(2, 2)
+    for mode in (
+        "kernelgraft (inductor)",
+        "kernelgraft (inductor, ddp pieces 200 MB)",
+        "kernelgraft (inductor, ddp pieces 12.5 MB)",
+        "kernelgraft (inductor, ddp pieces at buckets)",
+        "kernelgraft (eager, separate recompute)",
+        "kernelgraft (inductor, bf16 dW, no recompute)",
+    ):
+        assert suite.apply_mode(m, mode) is m
+    assert [k.get("ddp_piece_mb", "default") for k in got] == [
+        "default",
+        200.0,
+        12.5,
+        None,
+        "default",
+        "default",
+    ]
+    assert [k["recompute"] for k in got] == [True, True, True, True, "separate", False]
+    assert [k["backend"] for k in got] == ["inductor"] * 4 + ["eager", "inductor"]
+    assert [k["lm_head_accumulate"] for k in got] == ["fp32"] * 5 + ["weight"]

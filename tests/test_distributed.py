@@ -48,7 +48,8 @@ def test_recompute_survives_ddp_cutting_the_graph():
     # is that piece's input, saved. kernelgraft keeps each recomputed kernel call in one piece with
     # the ops that read its outputs (the gated MLP and its down projection; a norm and the q, k, v
     # or gate and up projections; the final norm, sliced, and the LM head). Here every matmul is a
-    # piece of its own, the worst case.
+    # piece of its own, the worst case (ddp_piece_mb=None), and then a few pieces (optimize's
+    # ddp_piece_mb cutting coarser than DDP's buckets).
     r = subprocess.run(
         [sys.executable, str(WORKER), "ddp-recompute", str(free_port())],
         capture_output=True,
@@ -57,25 +58,44 @@ def test_recompute_survives_ddp_cutting_the_graph():
     )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = re.findall(
-        r"recompute (\w+) ddp (\w+) saved (\d+) mlp (\d+) moved (\d+) kept (\[.*?\]) grads (ok|-|FAIL[^\n]*)",
+        r"recompute (\w+) ddp (\w+) saved (\d+) mlp (\d+) moved (\d+) kept (\[.*?\]) grads (ok|-|FAIL.*?) "
+        r"pieces (\d+) at (\S+)",
         r.stdout,
     )
-    got = {(rc == "True", ddp == "True"): (int(n), int(mlp), ok) for rc, ddp, n, mlp, _, _, ok in rows}
-    moved = {(rc == "True", ddp == "True"): int(m) for rc, ddp, _, _, m, _, _ in rows}
-    assert all(kept == "[]" for *_, kept, _ in rows), r.stdout  # no plan dropped for DDP's own cut
-    # the report says what the cut did: nodes moved only where calls are recomputed and DDP cuts
-    assert moved[True, True] > 0 and moved[False, True] == moved[True, False] == moved[False, False] == 0, (
+    assert len(rows) == 5, r.stdout
+    assert all(kept == "[]" for _, _, _, _, _, kept, _, _, _ in rows), (
         r.stdout
+    )  # no plan dropped for DDP's own cut
+    # by (recompute, under DDP, ddp_piece_mb): (bytes saved, MLP-wide tensors saved, grads, moved, pieces)
+    got = {
+        (rc == "True", ddp == "True", None if at == "None" else float(at)): (
+            int(n),
+            int(mlp),
+            ok,
+            int(m),
+            int(p),
+        )
+        for rc, ddp, n, mlp, m, _, ok, p, at in rows
+    }
+    cut, cut_off, whole, whole_off = (
+        (True, True, None),
+        (False, True, None),
+        (True, False, None),
+        (False, False, None),
     )
-    assert len(got) == 4, r.stdout
-    # and how many pieces it cut the graph into: one per matmul at least, under DDP only
-    pieces = {(rc == "True", ddp == "True"): int(p) for rc, ddp, p in re.findall(r"recompute (\w+) ddp (\w+) .* pieces (\d+)", r.stdout)}
-    assert pieces[True, True] > 7 and pieces[False, True] > 7 and pieces[True, False] == pieces[False, False] == 0, r.stdout
-    assert got[True, True][2] == "ok" and got[False, True][2] == "ok", r.stdout  # the rule, under DDP
+    coarse = (True, True, 0.1)
+    # the report says what the cut did: nodes moved only where calls are recomputed and DDP cuts
+    assert got[cut][3] > 0 and got[coarse][3] > 0, r.stdout
+    assert got[cut_off][3] == got[whole][3] == got[whole_off][3] == 0, r.stdout
+    # and how many pieces it cut the graph into: under DDP only; at DDP's buckets (ddp_piece_mb None:
+    # a bucket per parameter here) one per matmul at least; at 0.1 MiB a quarter as many (8 of 32)
+    assert got[cut][4] > 7 and got[cut_off][4] > 7 and got[whole][4] == got[whole_off][4] == 0, r.stdout
+    assert 1 < got[coarse][4] <= got[cut][4] // 4, r.stdout
+    assert got[cut][2] == got[cut_off][2] == got[coarse][2] == "ok", r.stdout  # the rule, under DDP
     # per layer (2): the MLP's gate and up, which its kernel's backward reads; its output too only
     # where it is not recomputed
-    assert got[True, False][1] == got[True, True][1] == 2 * 2, r.stdout
-    assert got[False, False][1] == got[False, True][1] == 3 * 2, r.stdout
+    assert got[whole][1] == got[cut][1] == got[coarse][1] == 2 * 2, r.stdout
+    assert got[whole_off][1] == got[cut_off][1] == 3 * 2, r.stdout
     # under the cut the forward saves exactly what it saves unwrapped (before: 250,888 of the
     # 251,784 bytes saved without recompute, against 185,352 unwrapped)
-    assert got[True, True][0] == got[True, False][0] < got[False, True][0] == got[False, False][0], r.stdout
+    assert got[cut][0] == got[whole][0] == got[coarse][0] < got[cut_off][0] == got[whole_off][0], r.stdout

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .._dynamo import fresh_entry
-from .backend import BACKENDS, Grafter
+from .backend import BACKENDS, DDP_PIECE_MB, Grafter
 from .report import RewriteReport
 
 
@@ -22,6 +22,7 @@ def optimize(
     lm_head_accumulate: str = "fp32",
     causal_attention: bool = True,
     recompute: bool | str = True,
+    ddp_piece_mb: float | None = DDP_PIECE_MB,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object.
 
@@ -47,7 +48,11 @@ def optimize(
     output in the pass it makes the gradients in (kernelgraft/rewriter/recompute.py);
     `recompute="separate"` runs the forward kernel again instead (one more read of the inputs per
     site; kept for comparison). A site whose output nothing in the graph reads (it only leaves the
-    graph) is not recomputed.
+    graph) is not recomputed. `ddp_piece_mb` (under DistributedDataParallel): dynamo cuts the
+    model's graph into pieces where DDP's gradient buckets fill, each a compiled function called on
+    its own; kernelgraft cuts at pieces of at least this many MiB of parameters (DDP's
+    `bucket_cap_mb` where larger) to spend less host time per step. DDP's buckets are unchanged and
+    still all-reduced while the backward goes on. None: at DDP's buckets, as torch.compile does.
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -62,7 +67,15 @@ def optimize(
         raise ValueError(
             f"kernelgraft.optimize: recompute must be True, False or 'separate', got {recompute!r}"
         )
+    if ddp_piece_mb is not None and (
+        isinstance(ddp_piece_mb, bool) or not isinstance(ddp_piece_mb, (int, float)) or not ddp_piece_mb > 0
+    ):
+        raise ValueError(
+            f"kernelgraft.optimize: ddp_piece_mb must be a positive size in MiB or None (DDP's own "
+            f"buckets), got {ddp_piece_mb!r}"
+        )
     options = dict(
+        ddp_piece_mb=ddp_piece_mb,
         keep_logits=keep_logits,
         lm_head_chunk=lm_head_chunk,
         lm_head_accumulate=lm_head_accumulate,

@@ -277,9 +277,11 @@ def measure_step(shape, mode, steps):
 
     host_fwd = []  # seconds the host spends launching each forward (nothing in it waits for the GPU)
 
+    cache = {} if USE_CACHE is None else {"use_cache": USE_CACHE}
+
     def step():
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, **cache).loss
         host_fwd.append(time.perf_counter() - t0)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -313,7 +315,7 @@ def measure_step(shape, mode, steps):
         loss=first_loss,
     )
     # one more step: what its forward saves for the backward (the peak's activations part)
-    out["saved_gib"] = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss) / 2**30
+    out["saved_gib"] = saved_bytes(model, lambda: model(input_ids=ids, labels=ids, **cache).loss) / 2**30
     if mode.startswith("kernelgraft"):
         out["sites"] = model.kernelgraft_report.counts()
     if PROFILE_STEPS:
@@ -321,6 +323,10 @@ def measure_step(shape, mode, steps):
     return out
 
 
+# --no-cache: the step calls the model with use_cache=False (bench_distributed's step). Without it the
+# model's default holds (True): Hugging Face then fills a KV cache in the training forward, as the
+# anchors' bench (ANCHORS.md) and a Trainer without use_cache=False do
+USE_CACHE = None
 PROFILE_STEPS = 0  # --profile N: also break N steps down by kernel class (after the timed steps)
 KERNEL_CLASSES = ("matmul", "attention", "kernelgraft", "inductor", "other triton", "aten", "copy/fill")
 
@@ -449,7 +455,9 @@ def markdown(doc) -> str:
     for shape, modes in doc.get("steps", {}).items():
         _table(
             L,
-            f"**Training step, {shape}** (fwd + bwd, no optimizer)",
+            f"**Training step, {shape}** (fwd + bwd, no optimizer"
+            + (", use_cache=False" if doc.get("use_cache") is False else "")
+            + ")",
             [
                 "mode",
                 "tokens/s",
@@ -594,13 +602,19 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="break N training steps down by kernel class"
     )
+    ap.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="training steps call the model with use_cache=False (default: the model's, which fills a KV cache)",
+    )
     ap.add_argument("--plot", metavar="JSON", help="only make the PNG plots of an earlier run")
     ap.add_argument(
         "--merge", nargs="+", metavar="JSON", help="merge runs (later wins) into --out, then plot"
     )
     a = ap.parse_args(argv)
-    global PROFILE_STEPS
+    global PROFILE_STEPS, USE_CACHE
     PROFILE_STEPS = a.profile
+    USE_CACHE = False if a.no_cache else None
     if a.merge:
         doc = {}
         for p in a.merge:
@@ -632,6 +646,8 @@ def main(argv=None) -> int:
         gpu=torch.cuda.get_device_name(),
         versions=f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}",
     )
+    if a.no_cache:
+        doc["use_cache"] = False
     path = os.path.join(a.out, "suite.json")
 
     def save():

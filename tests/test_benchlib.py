@@ -103,3 +103,15 @@ def test_suite_modes_pass_their_options_to_optimize(monkeypatch):
     assert [k["recompute"] for k in got] == [True, True, True, True, "separate", False]
     assert [k["backend"] for k in got] == ["inductor"] * 4 + ["eager", "inductor"]
     assert [k["lm_head_accumulate"] for k in got] == ["fp32"] * 5 + ["weight"]
+
+
+def test_suite_step_table_says_when_the_kv_cache_was_off():
+    # --no-cache (use_cache=False, bench_distributed's step) and the model's default (a KV cache
+    # filled in the training forward) are different steps: the table says which one it measured
+    import suite
+
+    row = dict(tok_s=1000.0, peak_gib=1.0, peak_above_start_gib=0.5, first_step_s=1.0, loss=1.0)
+    doc = dict(date="d", gpu="g", versions="v", steps={"llama-1b 8x2048": {"eager": row}})
+    assert "** (fwd + bwd, no optimizer)\n" in suite.markdown(doc)
+    assert "** (fwd + bwd, no optimizer, use_cache=False)\n" in suite.markdown(dict(doc, use_cache=False))
+    assert "| eager | 1,000 | 1.00x |" in suite.markdown(doc)

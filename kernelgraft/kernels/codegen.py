@@ -21,10 +21,11 @@ written as one partial row per program; the launcher adds the partials (no atomi
 from __future__ import annotations
 
 import sympy
+import torch
 
 from .derive import Backward
 from .spec import LOW, Spec
-from .sym import fold_constants, round_to, to_triton
+from .sym import _Round, fold_constants, round_to, to_triton
 
 GROUPS = (1, 2)  # entry kernels generated: one group of tensors per launch, or two
 
@@ -251,6 +252,28 @@ def _output_lines(spec: Spec, indent: str) -> list[str]:
     return L
 
 
+def in_float64(spec: Spec, bwd: Backward) -> bool:
+    """Whether the backward is computed in float64: where every tensor is float32 and nothing in it
+    rounds to a narrower dtype. Its gradients are then each rounded once, at the store. In float32
+    an RMSNorm x gradient rstd * (g*w - x * sum(g*w*x) * rstd^2 / N) cancels where g is nearly
+    parallel to x: Gemma's norm with g = x (rows of 83) gave 2.3x eager's error on the H200 (thorough
+    profile, 2026-11-30), each float32 rounding of the two terms amplified by the cancellation.
+    The loads, stores and the forward's work stay float32; a bf16/fp16 path keeps float32 (its
+    roundings are the reference's, and they dominate)."""
+    if any(dt != torch.float32 for dt in (*spec.dtypes.values(), spec.out_dtype)):
+        return False
+    exprs = [e for _, e in bwd.adjoints] + list(bwd.grads.values())
+    return not any(sympy.sympify(e).has(_Round) for e in exprs)
+
+
+def _widened(spec: Spec, needed: set, cv: list[str]) -> list[str]:
+    """Every value the backward reads, as float64 from here on (in_float64)."""
+    names = ["g"] + (["g__p"] if "g__p" in needed else [])
+    names += [v for t in _elems(spec) for v in (t, f"{t}__p") if v == t or v in needed]
+    names += cv + [r.symbol.name for r in spec.reductions] + list(spec.scalars) + ["Nf"]
+    return [f"{IND}{v} = {v}.to(tl.float64)" for v in names]
+
+
 def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -> list[str]:
     K = max(len(spec.reductions), 1)
     cv = _col_vars(spec, needed)
@@ -277,6 +300,10 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     else:
         for k, red in enumerate(spec.reductions):
             L.append(f"{IND}{red.symbol} = tl.load(stats_ptr + rows * {K} + {k}, mask=rmask, other=1.0)")
+    wide = in_float64(spec, bwd)
+    if wide:
+        L.append(f"{IND}# every tensor float32 and no narrower rounding: the backward in float64")
+        L += _widened(spec, needed, cv)
     for a, summand in bwd.adjoints:
         L.append(f"{IND}# {a} = sum_j({summand})")
         lines, (e,) = _cse_lines([summand], f"{a}_", IND)
@@ -292,14 +319,17 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     lines, exprs = _cse_lines(grads, "u", IND)
     L += lines
     partials = []
+    f32 = ".to(tl.float32)" if wide else ""
     for t, e in zip(spec.tensors, exprs):
         if spec.kinds[t] == "elem":
             L.append(f"{IND}if NEED_{t}:")
-            L.append(f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {e}, mask=mask)")
+            L.append(
+                f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, ({e}){f32}, mask=mask)"
+            )
         else:  # this block's column sums; the entry kernel accumulates them over its blocks
             L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)")
             L.append(f"{IND}if NEED_{t}:")
-            L.append(f"{IND2}p_{t} = tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine)")
+            L.append(f"{IND2}p_{t} = tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine){f32}")
             partials.append(f"p_{t}")
     if partials:
         L.append(f"{IND}return {', '.join(partials)}")

@@ -172,7 +172,7 @@ def make_batch(spec: dict, seed: int, dev: torch.device):
     return torch.randint(0, spec["cfg"]["vocab_size"], (spec["B"], spec["S"]), generator=g).to(dev)
 
 
-def measure(model, ids, steps: int, dev: torch.device, profile: bool = False) -> dict:
+def measure(model, ids, steps: int, dev: torch.device, profile: bool = False, kv_cache: bool = False) -> dict:
     """One rank's timings; the same code for every mode, world size and device. profile: one more
     step under torch.profiler, its device time and the gaps the GPU waited for the host, charged to
     the host op that launched the kernel waited for (benchlib.idle_by_launcher)."""
@@ -182,11 +182,15 @@ def measure(model, ids, steps: int, dev: torch.device, profile: bool = False) ->
         if cuda:
             torch.cuda.synchronize(dev)
 
+    # use_cache=False: under FSDP2 dynamo breaks the graph at every sharded layer, and a KV cache
+    # makes each layer's frame guard on its layer_idx: a recompile per layer, and past dynamo's
+    # recompile limit (8) the remaining layers run uncompiled. Training needs no cache. kv_cache:
+    # the model's default instead (it fills a cache in the training forward, as suite.py's step and
+    # the anchors' bench do), for DDP, whose graph is one
+    cache = {} if kv_cache else {"use_cache": False}
+
     def step():
-        # use_cache=False: under FSDP2 dynamo breaks the graph at every sharded layer, and a KV cache
-        # makes each layer's frame guard on its layer_idx: a recompile per layer, and past dynamo's
-        # recompile limit (8) the remaining layers run uncompiled. Training needs no cache.
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = model(input_ids=ids, labels=ids, **cache).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()
@@ -243,7 +247,7 @@ def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
     spec = TINY if a.tiny else suite.SHAPES[SETUPS[a.setup]["shape"]]
     model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world, a.bucket_mb)
     ids = make_batch(spec, a.seed + rank, dev)
-    out = measure(wrapped, ids, a.steps, dev, profile=a.profile)
+    out = measure(wrapped, ids, a.steps, dev, profile=a.profile, kv_cache=a.kv_cache)
     out.update(rank=rank, world_size=world, tokens=ids.numel(), dynamo=dynamo_counts())
     if hasattr(model, "kernelgraft_report"):
         rep = model.kernelgraft_report
@@ -309,6 +313,7 @@ def torchrun_cmd(a, setup: str, world: int, mode: str, run_dir: str) -> list[str
     cmd += [os.path.abspath(__file__), "--worker", "--setup", setup, "--mode", mode, "--run-dir", run_dir]
     cmd += ["--steps", str(a.steps), "--seed", str(a.seed), "--device", a.device]
     cmd += [] if a.bucket_mb is None else ["--bucket-mb", str(a.bucket_mb)]
+    cmd += ["--kv-cache"] if a.kv_cache else []
     return cmd + (["--tiny"] if a.tiny else []) + (["--profile"] if a.profile else [])
 
 
@@ -497,8 +502,9 @@ def summary_lines(rows: list[dict]) -> list[str]:
 
 def markdown(doc: dict) -> str:
     rows = doc["rows"]
+    cache = "the model's default use_cache, a KV cache filled" if doc.get("kv_cache") else "use_cache=False"
     L = [
-        f"Distributed training step (fwd with labels, use_cache=False + bwd, no optimizer), "
+        f"Distributed training step (fwd with labels, {cache} + bwd, no optimizer), "
         f"{doc.get('device_name', '?')}, "
         f"{doc['date']}, {doc.get('versions', '?')}, median of {doc['steps']} steps\n",
         "World size 1: the model unwrapped on one device (the baseline); world size N: N ranks, each "
@@ -624,6 +630,12 @@ def parse(argv):
         help="after the timed steps, one step under torch.profiler: rank 0's device time, and the gaps "
         "the GPU waited for the host, by the host op that launched the kernel waited for",
     )
+    ap.add_argument(
+        "--kv-cache",
+        action="store_true",
+        help="call the model with its default use_cache (a KV cache filled in the training forward, as "
+        "suite.py's step) instead of use_cache=False; DDP setups only (FSDP2 recompiles per layer)",
+    )
     ap.add_argument("--fresh", action="store_true", help="drop the rows of an earlier DIR/distributed.json")
     ap.add_argument("--plot", metavar="JSON", help="only make the PNG of an earlier run (needs matplotlib)")
     ap.add_argument(
@@ -653,6 +665,12 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
         ) from None
     if not worlds or min(worlds) < 1:
         raise SystemExit(f"bench_distributed: --world-sizes wants sizes >= 1, got {a.world_sizes!r}")
+    sharded = [s for s in setups if SETUPS[s]["wrap"] != "ddp"]
+    if a.kv_cache and sharded:
+        raise SystemExit(
+            f"bench_distributed: --kv-cache runs DDP setups only; {sharded} shard per layer, where a KV cache "
+            "recompiles every layer's graph: drop --kv-cache or pass --setups ddp-1b"
+        )
     if a.repeat < 1:
         raise SystemExit(f"bench_distributed: --repeat wants 1 or more runs per mode, got {a.repeat}")
     cpu = a.device == "cpu"
@@ -694,7 +712,13 @@ def load_doc(a, notes: list[str]) -> tuple[dict, str]:
         with open(path) as f:
             doc = json.load(f)
         print(f"note: updating the {len(doc['rows'])} rows of {path} (--fresh starts over)", flush=True)
-    doc.update(date=datetime.date.today().isoformat(), steps=a.steps, bucket_mb=a.bucket_mb, notes=notes)
+    doc.update(
+        date=datetime.date.today().isoformat(),
+        steps=a.steps,
+        bucket_mb=a.bucket_mb,
+        kv_cache=a.kv_cache,
+        notes=notes,
+    )
     return doc, path
 
 

@@ -136,5 +136,13 @@ def test_repeated_runs_take_turns_and_a_row_is_the_median_run(tmp_path, monkeypa
         "eager": [100.0, 300.0, 500.0],
         "kernelgraft (eager)": [200.0, 400.0, 600.0],
     }
+    with pytest.raises(SystemExit, match=r"--kv-cache runs DDP setups only; \['fsdp2-8b'\]"):
+        bd.check(bd.parse(["--kv-cache", "--setups", "ddp-1b,fsdp2-8b", "--device", "cpu", "--tiny"]))
+    assert bd.check(bd.parse(["--kv-cache", "--setups", "ddp-1b", "--device", "cpu", "--tiny"]))[0] == [
+        "ddp-1b"
+    ]
+    head = bd.markdown(dict(doc, kv_cache=True)).splitlines()[0]
+    assert "the model's default use_cache, a KV cache filled" in head and "use_cache=False" not in head
+    assert "use_cache=False" in bd.markdown(doc).splitlines()[0]
     with pytest.raises(SystemExit, match="--repeat wants 1 or more"):
         bd.check(bd.parse(["--repeat", "0", "--device", "cpu", "--tiny"]))

@@ -161,6 +161,28 @@ def test_every_spelling_thorough_on_gpu(sp, request):
     assert count[0] >= 50  # the profile ran (hypothesis stops early only when it runs out of cases)
 
 
+@pytest.mark.parametrize("name", ["llama", "olmo2", "gemma"])
+@pytest.mark.parametrize("where", ["constant rows of 65536", "g = x, rows of 83"])
+def test_float32_norms_found_by_the_thorough_profile(name, where):
+    """The two float32 cases the H200's thorough profile found (2026-11-30), each failing the rule
+    before the float32 norms computed in float64 (codegen.in_float64): constant rows of 65536, where
+    Triton's per-thread sums left the statistic (and the output) at 5.7 float32 epsilons against
+    eager's 0.8; and rows of 83 whose incoming gradient is x itself (both drawn from seed 0), where
+    the x gradient's two terms cancel (2.3x eager's error for Gemma)."""
+    from kernelgraft.gradcheck.strategies import _values
+
+    sp = REGISTRY.get("rms_norm", name)
+    if where.startswith("constant"):
+        args = _values(sp.example_args(4, 65536, torch.float32, 65535), "constant_rows")
+    else:
+        args = sp.example_args(4, 83, torch.float32, 0)
+    args = tuple(
+        a.detach().to(CUDA).requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in args
+    )
+    verdicts = check_spelling(sp, args, compile_ref=False)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+
+
 # ---- issue 8: tensors over 2**31 elements (64-bit offsets) ------------------------------------------
 
 BIG = 2**31 + 2**22  # elements: offsets past what int32 holds

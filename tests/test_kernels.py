@@ -70,13 +70,19 @@ def test_float32_backward_is_computed_in_float64_and_survives_cancellation(name)
     # rows of 83, float32, and the incoming gradient equal to x (both drawn from seed 0). RMSNorm is
     # scale invariant, so its x gradient is orthogonal to x: with g = x the two terms of
     # rstd * (g*w - x * sum(g*w*x) * rstd^2 / N) nearly cancel, and every float32 rounding of
-    # them is amplified. The float32 backward now runs in float64 (codegen.in_float64), rounding
-    # each gradient once, at the store; bf16 keeps its float32 path, whose roundings are eager's.
+    # them is amplified. A float32 norm now computes in float64 (codegen.in_float64), rounding each
+    # stored value once; bf16 keeps its float32 path, whose roundings are eager's.
     from kernelgraft.gradcheck import check_spelling
 
     sp = REGISTRY.get("rms_norm", name)
-    assert ".to(tl.float64)" in kernelgraft.kernels.source("rms_norm", name, dtype=torch.float32).backward
-    assert "float64" not in kernelgraft.kernels.source("rms_norm", name, dtype=torch.bfloat16).backward
+    wide = kernelgraft.kernels.source("rms_norm", name, dtype=torch.float32)
+    assert ".to(tl.float64)" in wide.forward and ".to(tl.float64)" in wide.backward
+    assert "r0.to(tl.float32), mask=rmask)" in wide.forward  # the statistic stored as float32
+    narrow = kernelgraft.kernels.source("rms_norm", name, dtype=torch.bfloat16)
+    assert "float64" not in narrow.forward + narrow.backward
+    for other in ("gated_mlp", "rope"):  # no row statistics: float32, as before
+        src = kernelgraft.kernels.source(other, dtype=torch.float32)
+        assert "float64" not in src.forward + src.backward, other
     args = sp.example_args(4, 83, torch.float32, 0)
     verdicts = {v.what: v for v in check_spelling(sp, args, compile_ref=False)}  # g from seed 0 too
     assert all(v.ok for v in verdicts.values()), [str(v) for v in verdicts.values()]

@@ -182,6 +182,8 @@ def _fwd_block(spec: Spec, needed: set) -> list[str]:
     L += _rotation(IND, needed)
     L += _row_index(IND)
     L += _elem_loads(spec, _elems(spec), IND, needed)
+    if in_float64(spec):
+        L += _widened(_loaded(spec, needed, cv))
     L += _reduction_lines(spec, IND, stats_store=True)
     L += _output_lines(spec, IND)
     return L
@@ -239,8 +241,13 @@ def _reduction_lines(spec: Spec, indent: str, stats_store: bool) -> list[str]:
             f"{indent}{red.symbol} = tl.reduce(tl.where(mask, {e}, 0.0), 1, tl.standard._sum_combine)[:, None]{div}"
         )
         if stats_store:
-            L.append(f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {red.symbol}, mask=rmask)")
+            L.append(f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {red.symbol}{_f32(spec)}, mask=rmask)")
     return L
+
+
+def _f32(spec: Spec) -> str:
+    """What rounds a stored value to float32 where the kernel computes in float64."""
+    return ".to(tl.float32)" if in_float64(spec) else ""
 
 
 def _output_lines(spec: Spec, indent: str) -> list[str]:
@@ -248,30 +255,39 @@ def _output_lines(spec: Spec, indent: str) -> list[str]:
     # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
     lines, (e,) = _cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", indent)
     L += lines
-    L.append(f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, {e}, mask=mask)")
+    L.append(f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, ({e}){_f32(spec)}, mask=mask)")
     return L
 
 
-def in_float64(spec: Spec, bwd: Backward) -> bool:
-    """Whether the backward is computed in float64: where every tensor is float32 and nothing in it
-    rounds to a narrower dtype. Its gradients are then each rounded once, at the store. In float32
-    an RMSNorm x gradient rstd * (g*w - x * sum(g*w*x) * rstd^2 / N) cancels where g is nearly
-    parallel to x: Gemma's norm with g = x (rows of 83) gave 2.3x eager's error on the H200 (thorough
-    profile, 2026-11-30), each float32 rounding of the two terms amplified by the cancellation.
-    The loads, stores and the forward's work stay float32; a bf16/fp16 path keeps float32 (its
-    roundings are the reference's, and they dominate)."""
+def in_float64(spec: Spec) -> bool:
+    """Whether a kernel with row statistics (a norm) computes in float64: where every tensor is
+    float32 and no value of the spelling is narrower. Loads and stores stay float32, and each stored
+    value (output, statistic, gradient) is rounded once, at its store. Found by the H200's thorough
+    profile (2026-11-30), each in float32:
+    - the statistic: Triton sums a row of 65536 partly in sequence in each thread. On constant rows
+      (every term the same sign) that left the output at 5.7 float32 epsilons of error, eager at 0.8;
+    - the x gradient rstd * (g*w - x * sum(g*w*x) * rstd^2 / N) cancels where g is nearly parallel
+      to x: Gemma's norm with g = x (rows of 83) gave 2.3x eager's error, each float32 rounding of
+      the two terms amplified by the cancellation.
+    A bf16/fp16 path keeps float32: its roundings are the reference's, and they dominate. Kernels
+    without statistics (RoPE, gated MLP) keep float32 too: each element is a short expression of
+    its own, with no sum along the row."""
+    if not spec.reductions:
+        return False
     if any(dt != torch.float32 for dt in (*spec.dtypes.values(), spec.out_dtype)):
         return False
-    exprs = [e for _, e in bwd.adjoints] + list(bwd.grads.values())
-    return not any(sympy.sympify(e).has(_Round) for e in exprs)
+    return not any(n.dtype in LOW for n in spec.nodes)
 
 
-def _widened(spec: Spec, needed: set, cv: list[str]) -> list[str]:
-    """Every value the backward reads, as float64 from here on (in_float64)."""
-    names = ["g"] + (["g__p"] if "g__p" in needed else [])
-    names += [v for t in _elems(spec) for v in (t, f"{t}__p") if v == t or v in needed]
-    names += cv + [r.symbol.name for r in spec.reductions] + list(spec.scalars) + ["Nf"]
+def _widened(names: list[str]) -> list[str]:
+    """These values as float64 from here on (in_float64)."""
     return [f"{IND}{v} = {v}.to(tl.float64)" for v in names]
+
+
+def _loaded(spec: Spec, needed: set, cv: list[str]) -> list[str]:
+    """The per-element and per-column values a row block loads, its scalars and Nf."""
+    names = [v for t in _elems(spec) for v in (t, f"{t}__p") if v == t or v in needed]
+    return names + cv + list(spec.scalars) + ["Nf"]
 
 
 def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -> list[str]:
@@ -294,16 +310,20 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     if "g__p" in needed:
         L.append(f"{IND}g__p = tl.load(g_ptr + g_o + pcols * g_sc, mask=mask, other=0.0).to(tl.float32)")
     L += _elem_loads(spec, _elems(spec), IND, needed)
+    wide = in_float64(spec)
+    stats = [r.symbol.name for r in spec.reductions]
+    if wide:  # float32 tensors, a norm: computed in float64 (in_float64)
+        L += _widened(["g"] + (["g__p"] if "g__p" in needed else []) + _loaded(spec, needed, cv))
     if with_out:  # the forward's work, on the row already loaded: statistics, then the output
         L += _reduction_lines(spec, IND, stats_store=False)
         L += _output_lines(spec, IND)
+        if wide:  # the statistics as the forward stores them, for the gradients to match _bwd's
+            L += [f"{IND}{r} = {r}.to(tl.float32).to(tl.float64)" for r in stats]
     else:
         for k, red in enumerate(spec.reductions):
             L.append(f"{IND}{red.symbol} = tl.load(stats_ptr + rows * {K} + {k}, mask=rmask, other=1.0)")
-    wide = in_float64(spec, bwd)
-    if wide:
-        L.append(f"{IND}# every tensor float32 and no narrower rounding: the backward in float64")
-        L += _widened(spec, needed, cv)
+        if wide:
+            L += _widened(stats)
     for a, summand in bwd.adjoints:
         L.append(f"{IND}# {a} = sum_j({summand})")
         lines, (e,) = _cse_lines([summand], f"{a}_", IND)

@@ -25,7 +25,7 @@ import torch
 
 from .derive import Backward
 from .spec import LOW, Spec
-from .sym import _Round, fold_constants, round_to, to_triton
+from .sym import fold_constants, round_to, to_triton
 
 GROUPS = (1, 2)  # entry kernels generated: one group of tensors per launch, or two
 

@@ -1,7 +1,8 @@
 """Spec + derived Backward -> Triton source for a row kernel pair (forward, backward).
 
 Layout: a 2-D block of BLOCK_M rows x BLOCK_N columns (BLOCK_N >= N, the whole row in registers);
-every value is computed in float32; loads upcast, stores round to the destination dtype. A row index
+every value is computed in float32 (in float64 for a norm whose tensors are all float32: in_float64);
+loads upcast, stores round to the destination dtype. A row index
 is split over up to three leading dims (D0, D1, D2) and every per-element tensor has its own stride
 in each, so transposed views (HF's q after `.transpose(1, 2)`) and broadcast arguments (cos/sin
 unsqueezed on the head dim, stride 0) are read in place, never copied.

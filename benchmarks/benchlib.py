@@ -166,3 +166,71 @@ def idle_by_launcher(trace: dict, min_gap_us: float = 2.0, top: int = 12) -> dic
     return dict(
         idle_ms=sum(r[0] for r in rows), gaps=gaps, by_op=rows[:top], busy_ms=busy / 1e3, span_ms=span
     )
+
+
+# ---- modes taking turns step by step in one process ------------------------------------------------
+#
+# A GPU at its power limit changes its clocks with the load: the same mode moves 1-2 % between runs,
+# as much as the modes differ. Taking turns step by step puts every mode through the same drift, and
+# the ratio of two modes' steps in one round cancels it (paired_ratios).
+
+
+def module_globals(prefix: str = "transformers.") -> dict:
+    """{(module name, global name): value} of every loaded module under `prefix`."""
+    import sys
+
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and name.startswith(prefix):
+            out.update(((name, k), v) for k, v in list(vars(mod).items()))
+    return out
+
+
+def changed_globals(before: dict, after: dict) -> dict:
+    """{(module, name): (before, after)} for the functions and classes a setup reassigned between two
+    module_globals snapshots (Liger assigns transformers' apply_rotary_pos_emb, and its norm and MLP
+    classes, at module level). Names that appeared are left out (lazy imports add them), and so is
+    data (caches a module fills as it runs)."""
+    return {
+        key: (old, after[key])
+        for key, old in before.items()
+        if key in after and after[key] is not old and (callable(old) or isinstance(old, type))
+    }
+
+
+def set_globals(changes: dict, which: int) -> None:
+    """Put the globals of `changes` back to their values before (which=0) or after (1) the setup."""
+    import sys
+
+    for (mod, name), values in changes.items():
+        setattr(sys.modules[mod], name, values[which])
+
+
+def take_turns(steps: dict, rounds: int, enter=None, synchronize=None) -> dict:
+    """Each mode's step once per round, the order rotated by one every round (no mode always first
+    after another). enter(mode) runs before a mode's step (outside its time); synchronize after it
+    (inside) -> {mode: [seconds of each of its steps]}."""
+    import time
+
+    modes = list(steps)
+    times = {m: [] for m in modes}
+    for r in range(rounds):
+        for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            if enter is not None:
+                enter(m)
+            t = time.perf_counter()
+            steps[m]()
+            if synchronize is not None:
+                synchronize()
+            times[m].append(time.perf_counter() - t)
+    return times
+
+
+def paired_ratios(times: dict, ref: str) -> dict:
+    """{mode: (median, lowest, highest)} of a mode's step time over ref's step time in the same
+    round. Above 1: slower than ref."""
+    out = {}
+    for m, ts in times.items():
+        r = sorted(t / u for t, u in zip(ts, times[ref]))
+        out[m] = (r[len(r) // 2], r[0], r[-1])
+    return out

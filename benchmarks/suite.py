@@ -38,7 +38,18 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
-from benchlib import names, peak_above, profile_idle, profile_kernels, saved_bytes  # noqa: E402
+from benchlib import (  # noqa: E402
+    changed_globals,
+    module_globals,
+    names,
+    paired_ratios,
+    peak_above,
+    profile_idle,
+    profile_kernels,
+    saved_bytes,
+    set_globals,
+    take_turns,
+)
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
 
@@ -323,6 +334,82 @@ def measure_step(shape, mode, steps):
     return out
 
 
+def measure_steps_in_turns(
+    shape, modes: list[str], rounds: int, device: str = "cuda", build_fn=None, spec: dict | None = None
+) -> dict:
+    """--turns: every mode's model built in one process (Liger's last: it reassigns transformers'
+    globals), then `rounds` rounds of one step per mode, the order rotated each round
+    (benchlib.take_turns). Each step runs with the globals its mode was built with (Liger's
+    apply_rotary_pos_emb for Liger, the stock one for the others: a compiled graph guards on it).
+    Per mode: the median step's tokens/s, the peak above the step's start (the other modes' weights
+    are part of that start; absolute peaks are not comparable here and are left out), and each
+    step's time over the reference's in the same round (Liger if measured, else the first mode):
+    the clock drift that moves whole runs by 1-2 % falls on both steps of a round alike."""
+    s = spec or SHAPES[shape]
+    build_fn = build_fn or build  # (shape, mode) -> model; tests pass a tiny one
+    cuda = device == "cuda"
+    ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device=device)
+    cache = {} if USE_CACHE is None else {"use_cache": USE_CACHE}
+    order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
+    steps, out, patched = {}, {}, {}
+
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize()
+
+    for mode in order:
+        before = module_globals()
+        model = build_fn(shape, mode)
+        patched[mode] = changed_globals(before, module_globals())
+
+        def step(model=model):
+            loss = model(input_ids=ids, labels=ids, **cache).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss.item()
+
+        synchronize()
+        t = time.perf_counter()
+        loss = step()
+        out[mode] = dict(first_step_s=time.perf_counter() - t, loss=loss, peak_gib=None, turns=rounds)
+        step()  # warm-up
+        steps[mode] = step
+        if mode.startswith("kernelgraft"):
+            out[mode]["sites"] = model.kernelgraft_report.counts()
+
+    def enter(mode):
+        for m, changes in patched.items():
+            set_globals(changes, 1 if m == mode else 0)
+
+    peaks = dict.fromkeys(order, 0)
+
+    def measured(mode):
+        def run():
+            base = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            steps[mode]()
+            if cuda:
+                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated() - base)
+
+        return run
+
+    times = take_turns({m: measured(m) for m in order}, rounds, enter=enter, synchronize=synchronize)
+    ref = "liger" if "liger" in order else order[0]
+    ratios = paired_ratios(times, ref)
+    for m in order:
+        med = sorted(times[m])[len(times[m]) // 2]
+        out[m].update(
+            tok_s=s["B"] * s["S"] / med,
+            times_ms=[round(t * 1e3, 2) for t in times[m]],
+            paired=dict(ref=ref, median=ratios[m][0], low=ratios[m][1], high=ratios[m][2]),
+        )
+        if cuda:
+            out[m]["peak_above_start_gib"] = peaks[m] / 2**30
+    enter(order[-1])  # the globals as the last build left them
+    return {m: out[m] for m in modes}
+
+
 # --no-cache: the step calls the model with use_cache=False (bench_distributed's step). Without it the
 # model's default holds (True): Hugging Face then fills a KV cache in the training forward, as the
 # anchors' bench (ANCHORS.md) and a Trainer without use_cache=False do
@@ -474,12 +561,25 @@ def markdown(doc) -> str:
             lambda own, peer: own / peer,
             lambda v: (
                 f"{v['tok_s']:,.0f}",
-                f"{v['peak_gib']:.1f}",
+                f"{v['peak_gib']:.1f}" if v.get("peak_gib") is not None else "-",
                 f"{v['peak_above_start_gib']:.1f}" if "peak_above_start_gib" in v else "-",
                 f"{v['saved_gib']:.1f}" if "saved_gib" in v else "-",
                 f"{v['first_step_s']:.1f}",
             ),
         )
+    for shape, modes in doc.get("steps", {}).items():
+        turns = {m: v["paired"] for m, v in modes.items() if "paired" in v}
+        if not turns:
+            continue
+        ref = next(iter(turns.values()))["ref"]
+        n = next(v["turns"] for v in modes.values() if "turns" in v)
+        L += [
+            f"\n**Modes taking turns step by step, {shape}** ({n} rounds in one process, the order "
+            f"rotated each round): each step's time over {ref}'s in the same round; above 1 is slower\n",
+            "| mode | median | lowest | highest |",
+            "|---|---|---|---|",
+        ]
+        L += [f"| {m} | {p['median']:.4f} | {p['low']:.4f} | {p['high']:.4f} |" for m, p in turns.items()]
     for shape, modes in doc.get("steps", {}).items():
         prof = {m: v["profile"] for m, v in modes.items() if "profile" in v}
         if not prof:
@@ -603,6 +703,12 @@ def main(argv=None) -> int:
         "--profile", type=int, default=0, metavar="N", help="break N training steps down by kernel class"
     )
     ap.add_argument(
+        "--turns",
+        action="store_true",
+        help="steps part: build every mode's model in one process and take turns step by step (--steps "
+        "rounds); a row then also gives each step's time over Liger's in the same round",
+    )
+    ap.add_argument(
         "--no-cache",
         action="store_true",
         help="training steps call the model with use_cache=False (default: the model's, which fills a KV cache)",
@@ -674,6 +780,18 @@ def main(argv=None) -> int:
         modes = names(a.modes)
         order = [(m, sh) for m in modes if m != "liger" for sh in doc["steps"]]
         order += [("liger", sh) for sh in doc["steps"] if "liger" in modes]
+        if a.turns:
+            for shape in doc["steps"]:
+                try:
+                    doc["steps"][shape] = measure_steps_in_turns(shape, modes, a.steps)
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    traceback.print_exc()
+                    doc["steps"][shape] = {m: dict(error=f"{type(e).__name__}: {e}"[:300]) for m in modes}
+                print(shape, doc["steps"][shape], flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                save()
+            order = []
         for mode, shape in order:
             try:
                 r = measure_step(shape, mode, a.steps)

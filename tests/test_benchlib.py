@@ -115,3 +115,73 @@ def test_suite_step_table_says_when_the_kv_cache_was_off():
     assert "** (fwd + bwd, no optimizer)\n" in suite.markdown(doc)
     assert "** (fwd + bwd, no optimizer, use_cache=False)\n" in suite.markdown(dict(doc, use_cache=False))
     assert "| eager | 1,000 | 1.00x |" in suite.markdown(doc)
+
+
+def test_modes_take_turns_each_with_the_globals_it_was_built_with():
+    # suite.py --turns: every mode's model in one process, one step each per round. Liger reassigns
+    # transformers' apply_rotary_pos_emb at module level; here a stand-in named "liger" does the
+    # same with a wrapper that counts its calls. Each step must run with its own mode's globals: the
+    # eager model never calls the wrapper, and kernelgraft's graph (which guards on the global) is
+    # not recompiled.
+    import suite
+    from tiny import VOCAB, tiny_model
+    from transformers.models.llama import modeling_llama
+
+    import kernelgraft
+
+    stock = modeling_llama.apply_rotary_pos_emb
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return stock(*a, **k)
+
+    def build(shape, mode):
+        model = tiny_model("llama")
+        if mode == "kernelgraft (eager)":
+            kernelgraft.optimize(model, backend="eager")
+        elif mode == "liger":
+            modeling_llama.apply_rotary_pos_emb = counted
+        return model
+
+    spec = dict(B=2, S=16, cfg=dict(vocab_size=VOCAB))
+    rounds = 3
+    torch.manual_seed(0)
+    try:
+        got = suite.measure_steps_in_turns(
+            "tiny", ["eager", "kernelgraft (eager)", "liger"], rounds, device="cpu", build_fn=build, spec=spec
+        )
+        assert modeling_llama.apply_rotary_pos_emb is counted  # left as the last build left it
+    finally:
+        modeling_llama.apply_rotary_pos_emb = stock
+    # 2 layers, a call per layer per step: the stand-in's first step, warm-up and its 3 turns only
+    assert len(calls) == 2 * (2 + rounds), len(calls)
+    assert got["kernelgraft (eager)"]["sites"] and got["kernelgraft (eager)"]["sites"]["rms_norm"] == 5
+    for m, v in got.items():
+        assert len(v["times_ms"]) == rounds and v["tok_s"] > 0 and v["peak_gib"] is None, m
+        assert (
+            v["paired"]["ref"] == "liger"
+            and v["paired"]["low"] <= v["paired"]["median"] <= v["paired"]["high"]
+        )
+    assert got["liger"]["paired"]["median"] == 1.0
+    # the same weights and batch in every mode: the same loss
+    losses = [v["loss"] for v in got.values()]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), losses
+    md = suite.markdown(dict(date="d", gpu="g", versions="v", steps={"tiny": got}))
+    assert "**Modes taking turns step by step, tiny** (3 rounds in one process" in md
+    assert "| liger | 1.0000 | 1.0000 | 1.0000 |" in md
+
+
+def test_taking_turns_rotates_the_order_and_pairs_the_rounds():
+    import benchlib
+
+    seen = []
+    steps = {m: (lambda m=m: seen.append(m)) for m in "abc"}
+    times = benchlib.take_turns(steps, 4, enter=lambda m: seen.append("enter " + m))
+    assert seen[1::2] == list("abcbcacababc") and seen[::2] == ["enter " + m for m in "abcbcacababc"]
+    assert {m: len(t) for m, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+    fake = {"x": [2.0, 3.0, 4.0], "ref": [1.0, 2.0, 2.0]}
+    assert benchlib.paired_ratios(fake, "ref") == {"x": (2.0, 1.5, 2.0), "ref": (1.0, 1.0, 1.0)}
+    before = {("m", "f"): print, ("m", "data"): 1, ("m", "g"): len}
+    after = {("m", "f"): repr, ("m", "data"): 2, ("m", "g"): len, ("m", "new"): abs}
+    assert benchlib.changed_globals(before, after) == {("m", "f"): (print, repr)}  # data and new names left

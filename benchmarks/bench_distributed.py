@@ -72,7 +72,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
-from benchlib import names, profile_idle  # noqa: E402
+from benchlib import (  # noqa: E402
+    changed_globals,
+    module_globals,
+    names,
+    paired_ratios,
+    profile_idle,
+    set_globals,
+    take_turns,
+)
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
@@ -94,6 +102,7 @@ TINY = dict(
 )  # fmt: skip
 GPU_MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "liger")
 CPU_MODES = ("eager", "kernelgraft (eager)")  # what runs on the CPU (the Triton interpreter)
+TURNS = "|"  # joins the modes of one --turns run (the worker's --mode)
 GOAL = 0.9  # kernelgraft's tokens/s per GPU at world size 2 within 10% of its one-GPU figure
 
 
@@ -172,6 +181,99 @@ def make_batch(spec: dict, seed: int, dev: torch.device):
     return torch.randint(0, spec["cfg"]["vocab_size"], (spec["B"], spec["S"]), generator=g).to(dev)
 
 
+def make_step(model, ids, kv_cache: bool = False):
+    """One training step of `model` on `ids` (no optimizer) -> its loss, read on the host.
+    use_cache=False: under FSDP2 dynamo breaks the graph at every sharded layer, and a KV cache
+    makes each layer's frame guard on its layer_idx: a recompile per layer, and past dynamo's
+    recompile limit (8) the remaining layers run uncompiled. Training needs no cache. kv_cache: the
+    model's default instead (it fills a cache in the training forward, as suite.py's step and the
+    anchors' bench do), for DDP, whose graph is one."""
+    cache = {} if kv_cache else {"use_cache": False}
+
+    def step():
+        loss = model(input_ids=ids, labels=ids, **cache).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def measure_turns(a, modes: list[str], dev: torch.device, world: int, ids) -> dict:
+    """--turns, one rank: every mode's model built and wrapped in this process (Liger's last: it
+    reassigns transformers' globals), then --steps rounds of one step per mode, the order rotated
+    each round (benchlib.take_turns), each step under its own mode's globals and after a barrier.
+    -> {mode: measure()'s fields, times_s in round order}; peak_gib is left out (the other modes'
+    weights are resident), the peak above the step's start is kept."""
+    cuda = dev.type == "cuda"
+
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
+    steps, out, patched = {}, {}, {}
+    for mode in order:
+        before = module_globals()
+        model, wrapped = prepare(a.setup, mode, dev, a.tiny, world, a.bucket_mb)
+        patched[mode] = changed_globals(before, module_globals())
+        step = make_step(wrapped, ids, a.kv_cache)
+        synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        loss = step()
+        synchronize()
+        out[mode] = dict(first_step_s=time.perf_counter() - t, loss=loss, peak_gib=None)
+        dist.barrier()
+        step()  # warm-up
+        synchronize()
+        steps[mode] = step
+        out[mode].update(kernelgraft_fields(model))
+
+    def enter(mode):
+        for m, changes in patched.items():
+            set_globals(changes, 1 if m == mode else 0)
+        dist.barrier()
+
+    peaks = dict.fromkeys(order, 0)
+
+    def measured(mode):
+        def run():
+            base = torch.cuda.memory_allocated(dev) if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            steps[mode]()
+            if cuda:
+                synchronize()
+                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(dev) - base)
+
+        return run
+
+    times = take_turns({m: measured(m) for m in order}, a.steps, enter=enter, synchronize=synchronize)
+    for m in order:
+        out[m].update(
+            step_s=sorted(times[m])[len(times[m]) // 2],
+            times_s=times[m],
+            peak_above_start_gib=peaks[m] / 2**30 if cuda else None,
+        )
+    return out
+
+
+def kernelgraft_fields(model) -> dict:
+    """What a kernelgraft model's report says of its run (nothing for other modes)."""
+    if not hasattr(model, "kernelgraft_report"):
+        return {}
+    rep = model.kernelgraft_report
+    return dict(
+        sites=rep.counts(),
+        # attention masks checked at run time (rewriter/attention.py): [causal, not causal] verdicts
+        mask_checks=[sum(c.runs[i] for c in rep.mask_checks) for i in (0, 1)],
+        masks_kept=len(rep.masks_kept),
+        graphs=rep.graphs,
+        ddp_cuts=rep.ddp_cuts,  # DDPOptimizer's cuts: pieces, recomputed calls kept with their readers?
+    )
+
+
 def measure(model, ids, steps: int, dev: torch.device, profile: bool = False, kv_cache: bool = False) -> dict:
     """One rank's timings; the same code for every mode, world size and device. profile: one more
     step under torch.profiler, its device time and the gaps the GPU waited for the host, charged to
@@ -182,19 +284,7 @@ def measure(model, ids, steps: int, dev: torch.device, profile: bool = False, kv
         if cuda:
             torch.cuda.synchronize(dev)
 
-    # use_cache=False: under FSDP2 dynamo breaks the graph at every sharded layer, and a KV cache
-    # makes each layer's frame guard on its layer_idx: a recompile per layer, and past dynamo's
-    # recompile limit (8) the remaining layers run uncompiled. Training needs no cache. kv_cache:
-    # the model's default instead (it fills a cache in the training forward, as suite.py's step and
-    # the anchors' bench do), for DDP, whose graph is one
-    cache = {} if kv_cache else {"use_cache": False}
-
-    def step():
-        loss = model(input_ids=ids, labels=ids, **cache).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return loss.item()
-
+    step = make_step(model, ids, kv_cache)
     synchronize()
     dist.barrier()
     t = time.perf_counter()
@@ -245,18 +335,14 @@ def dynamo_counts() -> dict:
 def run_rank(a, rank: int, local_rank: int, world: int) -> dict:
     dev = init_rank(a.device, local_rank)
     spec = TINY if a.tiny else suite.SHAPES[SETUPS[a.setup]["shape"]]
-    model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world, a.bucket_mb)
     ids = make_batch(spec, a.seed + rank, dev)
-    out = measure(wrapped, ids, a.steps, dev, profile=a.profile, kv_cache=a.kv_cache)
+    if TURNS in a.mode:
+        out = dict(by_mode=measure_turns(a, a.mode.split(TURNS), dev, world, ids))
+    else:
+        model, wrapped = prepare(a.setup, a.mode, dev, a.tiny, world, a.bucket_mb)
+        out = measure(wrapped, ids, a.steps, dev, profile=a.profile, kv_cache=a.kv_cache)
+        out.update(kernelgraft_fields(model))
     out.update(rank=rank, world_size=world, tokens=ids.numel(), dynamo=dynamo_counts())
-    if hasattr(model, "kernelgraft_report"):
-        rep = model.kernelgraft_report
-        out["sites"] = rep.counts()
-        # attention masks checked at run time (rewriter/attention.py): [causal, not causal] verdicts
-        out["mask_checks"] = [sum(c.runs[i] for c in rep.mask_checks) for i in (0, 1)]
-        out["masks_kept"] = len(rep.masks_kept)
-        out["graphs"] = rep.graphs
-        out["ddp_cuts"] = rep.ddp_cuts  # DDPOptimizer's cuts: recomputed calls kept with their readers?
     if rank == 0:
         out["device_name"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         out["versions"] = ", ".join(f"{p} {version(p)}" for p in ("torch", "triton", "transformers"))
@@ -382,11 +468,14 @@ def launch(a, setup: str, world: int, mode: str, turn: int = 0) -> dict:
         wall_s=time.perf_counter() - t,
         log=os.path.relpath(log, a.out),
     )
+    if TURNS in mode:  # --turns: a row per mode of the one run
+        got = split_turns(load_ranks(run_dir, world), mode.split(TURNS), rc, timeout, log, a.steps)
+        return [dict(row, mode=m, **fields) for m, fields in got]
     row.update(merge_ranks(run_dir, world, rc, timeout, log))
     return row
 
 
-def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
+def load_ranks(run_dir: str, world: int) -> list[dict]:
     ranks = []
     for r in range(world):
         try:
@@ -394,6 +483,35 @@ def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
                 ranks.append(json.load(f))
         except (OSError, json.JSONDecodeError):
             ranks.append(dict(rank=r, error=None))
+    return ranks
+
+
+def merge_ranks(run_dir: str, world: int, rc, timeout, log: str) -> dict:
+    return merge(load_ranks(run_dir, world), rc, timeout, log)
+
+
+def split_turns(ranks: list[dict], modes: list[str], rc, timeout, log: str, rounds: int) -> list[dict]:
+    """--turns: one row per mode of one run, from each rank's by_mode, each with `paired`: its step
+    time over Liger's (or the first mode's) in the same round, a round's step being its slowest
+    rank's -> [(mode, merged fields)]."""
+    if not all("by_mode" in x for x in ranks):  # a failed run: every mode's row says why
+        return [(m, merge(ranks, rc, timeout, log)) for m in modes]
+    keep = ("rank", "tokens", "device_name", "versions", "dynamo")
+    per = {m: [dict(x["by_mode"][m], **{k: x[k] for k in keep if k in x}) for x in ranks] for m in modes}
+    slowest = {m: [max(ts) for ts in zip(*(r["times_s"] for r in per[m]))] for m in modes}
+    ref = "liger" if "liger" in modes else modes[0]
+    ratios = paired_ratios(slowest, ref)
+    out = []
+    for m in modes:
+        row = merge(per[m], rc, timeout, log)
+        row.update(
+            turns=rounds, paired=dict(ref=ref, median=ratios[m][0], low=ratios[m][1], high=ratios[m][2])
+        )
+        out.append((m, row))
+    return out
+
+
+def merge(ranks: list[dict], rc, timeout, log: str) -> dict:
     errors = [f"rank {x['rank']}: {x['error']}" for x in ranks if x.get("error")]
     if timeout or errors or any("step_s" not in x for x in ranks):
         last = log_tail(log, 1).strip()
@@ -538,6 +656,23 @@ def markdown(doc: dict) -> str:
             f"{r['first_step_s']:.1f} | {r['loss']:.4f} |"
         )
     L += ["", *summary_lines(rows)]
+    paired = [r for r in rows if r.get("paired")]
+    if paired:
+        ref = paired[0]["paired"]["ref"]
+        L += [
+            "",
+            f"Modes taking turns step by step in one run (--turns, {paired[0]['turns']} rounds, the order rotated "
+            f"each round): each step's time over {ref}'s in the same round, a round's step being its slowest "
+            "rank's; above 1 is slower. With --repeat, the median run's.",
+            "",
+            "| setup | world size | mode | median | lowest | highest |",
+            "|---|---|---|---|---|---|",
+        ]
+        L += [
+            f"| {r['setup']} | {r['world_size']} | {r['mode']} | {r['paired']['median']:.4f} | "
+            f"{r['paired']['low']:.4f} | {r['paired']['high']:.4f} |"
+            for r in paired
+        ]
     for r in rows:
         pr = r.get("profile")
         if not pr or r.get("error"):
@@ -631,6 +766,12 @@ def parse(argv):
         "the GPU waited for the host, by the host op that launched the kernel waited for",
     )
     ap.add_argument(
+        "--turns",
+        action="store_true",
+        help="one run per (setup, world size) holding every mode's model, one step each per round, the "
+        "order rotated each round: each row then also gives its step time over Liger's in the same round",
+    )
+    ap.add_argument(
         "--kv-cache",
         action="store_true",
         help="call the model with its default use_cache (a KV cache filled in the training forward, as "
@@ -671,14 +812,18 @@ def check(a) -> tuple[list[str], list[int], list[str], list[str]]:
             f"bench_distributed: --kv-cache runs DDP setups only; {sharded} shard per layer, where a KV cache "
             "recompiles every layer's graph: drop --kv-cache or pass --setups ddp-1b"
         )
+    if a.turns and a.profile:
+        raise SystemExit("bench_distributed: --profile profiles one mode per run; drop it or --turns")
     if a.repeat < 1:
         raise SystemExit(f"bench_distributed: --repeat wants 1 or more runs per mode, got {a.repeat}")
     cpu = a.device == "cpu"
     modes = names(a.modes or ",".join(CPU_MODES if cpu else GPU_MODES))
     known = set(suite.MODES) | {"kernelgraft"}
-    bad = [m for m in modes if m not in known and not m.startswith("kernelgraft (")]
+    bad = [m for m in modes if (m not in known and not m.startswith("kernelgraft (")) or TURNS in m]
     if bad:
         raise SystemExit(f"bench_distributed: unknown mode(s) {bad}; choose from {sorted(known)}")
+    if a.turns and len(modes) < 2:
+        raise SystemExit(f"bench_distributed: --turns takes turns between two or more modes, got {modes}")
     if cpu:
         if not a.tiny:
             raise SystemExit("bench_distributed: --device cpu runs the tiny model only: add --tiny")
@@ -788,25 +933,31 @@ def main(argv=None) -> int:
     setups, worlds, modes, notes = check(a)
     os.makedirs(a.out, exist_ok=True)
     doc, path = load_doc(a, notes)
-    # with --repeat the modes take turns: run 1 of every mode, then run 2 of every mode, ...
-    runs = [(s, w, t, m) for s in setups for w in worlds for t in range(a.repeat) for m in modes]
+    # with --repeat the modes take turns: run 1 of every mode, then run 2 of every mode, ...; with
+    # --turns one run holds every mode, taking turns step by step
+    per_run = [TURNS.join(modes)] if a.turns else modes
+    runs = [(s, w, t, m) for s in setups for w in worlds for t in range(a.repeat) for m in per_run]
     unwrapped = {}  # world size 1 runs no wrapper: setups of one shape (all, with --tiny) share that run
     turns: dict = {}  # (setup, world size, mode) -> its runs so far
     for i, (setup, world, turn, mode) in enumerate(runs, 1):
         key = (shape_of(a, setup), mode, turn)
         if world == 1 and key in unwrapped:
-            first = unwrapped[key]
-            row = {**first, "setup": setup, "wrapper": SETUPS[setup]["wrap"], "same_run_as": first["setup"]}
+            got = [
+                {**first, "setup": setup, "wrapper": SETUPS[setup]["wrap"], "same_run_as": first["setup"]}
+                for first in unwrapped[key]
+            ]
         else:
-            row = launch(a, setup, world, mode, turn)
+            got = launch(a, setup, world, mode, turn)
+            got = got if isinstance(got, list) else [got]
             if world == 1:
-                unwrapped[key] = row
-        if row.get("error"):
-            print(log_tail(os.path.join(a.out, row["log"])), flush=True)
-        report(i, len(runs), row)
-        done = turns.setdefault((setup, world, mode), [])
-        done.append(row)
-        upsert(doc["rows"], median_run(done))
+                unwrapped[key] = got
+        for row in got:
+            if row.get("error"):
+                print(log_tail(os.path.join(a.out, row["log"])), flush=True)
+            report(i, len(runs), row)
+            done = turns.setdefault((setup, world, row["mode"]), [])
+            done.append(row)
+            upsert(doc["rows"], median_run(done))
         save(doc, path)
     print("\n" + markdown(doc))
     print(f"wrote {path} and {os.path.join(a.out, 'distributed.md')}")

@@ -146,3 +146,39 @@ def test_repeated_runs_take_turns_and_a_row_is_the_median_run(tmp_path, monkeypa
     assert "use_cache=False" in bd.markdown(doc).splitlines()[0]
     with pytest.raises(SystemExit, match="--repeat wants 1 or more"):
         bd.check(bd.parse(["--repeat", "0", "--device", "cpu", "--tiny"]))
+
+
+def test_turns_run_every_mode_in_one_run_and_pair_their_steps(tmp_path):
+    # --turns: one torchrun per (setup, world size) holds both models, wrapped in DDP, and takes turns
+    # step by step; each mode still gets its own row, and each row its step time over the reference
+    # mode's in the same round (the clock drift between runs cancels there)
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny", "--turns"]
+    cmd += ["--setups", "ddp-1b", "--world-sizes", "2", "--modes", ",".join(MODES), "--steps", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
+    by = {x["mode"]: x for x in rows}
+    assert set(by) == set(MODES) and all(x["world_size"] == 2 for x in rows), r.stdout[-4000:]
+    assert len({x["log"] for x in rows}) == 1  # one run
+    for m, x in by.items():
+        assert not x.get("error"), (m, x.get("error"))
+        assert x["tok_s_per_gpu"] > 0 and x["turns"] == 2 and x["peak_gib_per_gpu"] is None, m
+        p = x["paired"]
+        assert p["ref"] == "eager" and 0 < p["low"] <= p["median"] <= p["high"], (m, p)
+    assert by["eager"]["paired"]["median"] == 1.0
+    # the Triton interpreter is far slower than eager PyTorch: the pairing says so
+    assert by["kernelgraft (eager)"]["paired"]["low"] > 2.0
+    assert by["kernelgraft (eager)"]["sites"] and by["kernelgraft (eager)"]["ddp_cuts"] is not None
+    a, b = by["eager"]["losses"], by["kernelgraft (eager)"]["losses"]
+    assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)) and a[0] != a[1], (a, b)
+    md = (tmp_path / "distributed.md").read_text()
+    assert "Modes taking turns step by step in one run (--turns, 2 rounds" in md
+    assert "| ddp-1b | 2 | eager | 1.0000 | 1.0000 | 1.0000 |" in md
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_distributed as bd
+
+    base = ["--device", "cpu", "--tiny", "--setups", "ddp-1b", "--turns"]
+    with pytest.raises(SystemExit, match="--turns takes turns between two or more modes"):
+        bd.check(bd.parse(base + ["--modes", "eager"]))
+    with pytest.raises(SystemExit, match="--profile profiles one mode per run"):
+        bd.check(bd.parse(base + ["--modes", "eager,kernelgraft (eager)", "--profile"]))

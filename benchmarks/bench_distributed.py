@@ -32,10 +32,18 @@ run, with every run's tokens/s; the summary says when the fastest mode's runs ov
 On the lent H200 hosts the same mode moves 2-4 % between runs, more than kernelgraft and Liger
 differ: a verdict between them needs this.
 
+`--turns` goes further: one run per (setup, world size) builds every mode's model (Liger's last) and
+takes turns step by step, the order rotated each round; Liger's reassigned transformers globals are
+swapped in for its steps only. Each mode keeps its row (peak memory above the step's start; the
+absolute peak is left out, the other models being resident), and each row also gives its step time
+over Liger's in the same round, a round's step being its slowest rank's: the clock drift of a card
+at its power limit falls on both steps of a round alike. `--bucket-mb` sets DDP's bucket_cap_mb for
+every mode; `--kv-cache` (DDP only) calls the model with its default use_cache, as suite.py does.
+
     # 2 GPUs of one host (NVLink multicast is switched off in every child: see NO_MULTICAST)
     python benchmarks/bench_distributed.py --out DIR [--setups fsdp2-8b,ddp-1b] \\
         [--modes "eager,torch.compile,kernelgraft (inductor),liger"] [--world-sizes 1,2] [--steps 5] \\
-        [--repeat 3]
+        [--repeat 3] [--turns] [--kv-cache] [--bucket-mb 25] [--profile]
     # CPU smoke test, no GPU: gloo, a tiny Llama in float32, Triton's interpreter
     python benchmarks/bench_distributed.py --out DIR --device cpu --tiny --steps 2 \\
         --modes "eager,kernelgraft (eager)"

@@ -7,7 +7,11 @@ import torch
 try:
     from hypothesis import HealthCheck, settings
 
-    settings.register_profile("ci", max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    # ci draws the same examples on every run (derandomize): a landing never hangs on a new draw; the
+    # thorough profile draws anew each time, to explore (it found the float32 norm cases of 2026-11-30)
+    settings.register_profile(
+        "ci", max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     settings.register_profile(
         "thorough", max_examples=200, deadline=None, suppress_health_check=list(HealthCheck)
     )
@@ -23,6 +27,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state, whatever ran before it: an unseeded
+    torch.randn no longer depends on the order or selection of tests (one did: a bf16 check that
+    held for 5 seeds in 6 passed alone and failed in the full run)."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture

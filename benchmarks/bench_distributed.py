@@ -80,15 +80,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
-from benchlib import (  # noqa: E402
-    changed_globals,
-    module_globals,
-    names,
-    paired_ratios,
-    profile_idle,
-    set_globals,
-    take_turns,
-)
+from benchlib import in_turns, names, paired_ratios, profile_idle  # noqa: E402
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
@@ -210,59 +202,30 @@ def make_step(model, ids, kv_cache: bool = False):
 def measure_turns(a, modes: list[str], dev: torch.device, world: int, ids) -> dict:
     """--turns, one rank: every mode's model built and wrapped in this process (Liger's last: it
     reassigns transformers' globals), then --steps rounds of one step per mode, the order rotated
-    each round (benchlib.take_turns), each step under its own mode's globals and after a barrier.
+    each round (benchlib.in_turns), each step under its own mode's globals and after a barrier.
     -> {mode: measure()'s fields, times_s in round order}; peak_gib is left out (the other modes'
     weights are resident), the peak above the step's start is kept."""
-    cuda = dev.type == "cuda"
-
-    def synchronize():
-        if cuda:
-            torch.cuda.synchronize(dev)
-
     order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
-    steps, out, patched = {}, {}, {}
-    for mode in order:
-        before = module_globals()
-        model, wrapped = prepare(a.setup, mode, dev, a.tiny, world, a.bucket_mb)
-        patched[mode] = changed_globals(before, module_globals())
-        step = make_step(wrapped, ids, a.kv_cache)
-        synchronize()
-        dist.barrier()
-        t = time.perf_counter()
-        loss = step()
-        synchronize()
-        out[mode] = dict(first_step_s=time.perf_counter() - t, loss=loss, peak_gib=None)
-        dist.barrier()
-        step()  # warm-up
-        synchronize()
-        steps[mode] = step
-        out[mode].update(kernelgraft_fields(model))
 
-    def enter(mode):
-        for m, changes in patched.items():
-            set_globals(changes, 1 if m == mode else 0)
-        dist.barrier()
+    def builder(mode):
+        def make():
+            model, wrapped = prepare(a.setup, mode, dev, a.tiny, world, a.bucket_mb)
+            return model, make_step(wrapped, ids, a.kv_cache)
 
-    peaks = dict.fromkeys(order, 0)
+        return make
 
-    def measured(mode):
-        def run():
-            base = torch.cuda.memory_allocated(dev) if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(dev)
-            steps[mode]()
-            if cuda:
-                synchronize()
-                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(dev) - base)
-
-        return run
-
-    times = take_turns({m: measured(m) for m in order}, a.steps, enter=enter, synchronize=synchronize)
-    for m in order:
-        out[m].update(
-            step_s=sorted(times[m])[len(times[m]) // 2],
-            times_s=times[m],
-            peak_above_start_gib=peaks[m] / 2**30 if cuda else None,
+    got = in_turns({m: builder(m) for m in order}, a.steps, dev, barrier=dist.barrier)
+    out = {}
+    for m, v in got.items():
+        above = v["peak_above_start"]
+        out[m] = dict(
+            first_step_s=v["first_step_s"],
+            loss=v["loss"],
+            peak_gib=None,
+            step_s=v["step_s"],
+            times_s=v["times_s"],
+            peak_above_start_gib=None if above is None else above / 2**30,
+            **kernelgraft_fields(v["model"]),
         )
     return out
 

@@ -226,6 +226,68 @@ def take_turns(steps: dict, rounds: int, enter=None, synchronize=None) -> dict:
     return times
 
 
+def in_turns(builders: dict, rounds: int, device: torch.device, barrier=None) -> dict:
+    """Modes taking turns in one process. builders: {mode: build() -> (model, step)}, in the order
+    to build them: a mode that reassigns module globals (Liger) comes last, and its changes
+    (changed_globals) are swapped in before its own steps and out before the others' (a compiled
+    graph guards on them). Each mode's first step is timed alone (it compiles), then one warm-up;
+    then `rounds` rounds of take_turns, barrier() (a process group's) before every step. The
+    globals are left as the last build left them.
+    -> {mode: dict(model, first_step_s, loss, times_s, step_s (the median), peak_above_start: bytes
+    above what its step started from, the largest over its steps; None off CUDA)}."""
+    import time
+
+    cuda = device.type == "cuda"
+    barrier = barrier or (lambda: None)
+
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    out, steps, patched = {}, {}, {}
+    for mode, build in builders.items():
+        before = module_globals()
+        model, step = build()
+        patched[mode] = changed_globals(before, module_globals())
+        synchronize()
+        barrier()
+        t = time.perf_counter()
+        loss = step()
+        synchronize()
+        out[mode] = dict(model=model, first_step_s=time.perf_counter() - t, loss=loss)
+        barrier()
+        step()  # warm-up
+        synchronize()
+        steps[mode] = step
+
+    def enter(mode):
+        for m, changes in patched.items():
+            set_globals(changes, 1 if m == mode else 0)
+        barrier()
+
+    peaks = dict.fromkeys(steps, 0)
+
+    def measured(mode):
+        def run():
+            base = torch.cuda.memory_allocated(device) if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            steps[mode]()
+            if cuda:
+                synchronize()
+                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(device) - base)
+
+        return run
+
+    times = take_turns({m: measured(m) for m in steps}, rounds, enter=enter, synchronize=synchronize)
+    enter(list(steps)[-1])
+    for m, ts in times.items():
+        out[m].update(
+            times_s=ts, step_s=sorted(ts)[len(ts) // 2], peak_above_start=peaks[m] if cuda else None
+        )
+    return out
+
+
 def paired_ratios(times: dict, ref: str) -> dict:
     """{mode: (median, lowest, highest)} of a mode's step time over ref's step time in the same
     round. Above 1: slower than ref."""

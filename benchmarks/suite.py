@@ -39,16 +39,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
 from benchlib import (  # noqa: E402
-    changed_globals,
-    module_globals,
+    in_turns,
     names,
     paired_ratios,
     peak_above,
     profile_idle,
     profile_kernels,
     saved_bytes,
-    set_globals,
-    take_turns,
 )
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
@@ -339,7 +336,7 @@ def measure_steps_in_turns(
 ) -> dict:
     """--turns: every mode's model built in one process (Liger's last: it reassigns transformers'
     globals), then `rounds` rounds of one step per mode, the order rotated each round
-    (benchlib.take_turns). Each step runs with the globals its mode was built with (Liger's
+    (benchlib.in_turns). Each step runs with the globals its mode was built with (Liger's
     apply_rotary_pos_emb for Liger, the stock one for the others: a compiled graph guards on it).
     Per mode: the median step's tokens/s, the peak above the step's start (the other modes' weights
     are part of that start; absolute peaks are not comparable here and are left out), and each
@@ -347,67 +344,44 @@ def measure_steps_in_turns(
     the clock drift that moves whole runs by 1-2 % falls on both steps of a round alike."""
     s = spec or SHAPES[shape]
     build_fn = build_fn or build  # (shape, mode) -> model; tests pass a tiny one
-    cuda = device == "cuda"
     ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device=device)
     cache = {} if USE_CACHE is None else {"use_cache": USE_CACHE}
     order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
-    steps, out, patched = {}, {}, {}
 
-    def synchronize():
-        if cuda:
-            torch.cuda.synchronize()
+    def builder(mode):
+        def make():
+            model = build_fn(shape, mode)
 
-    for mode in order:
-        before = module_globals()
-        model = build_fn(shape, mode)
-        patched[mode] = changed_globals(before, module_globals())
+            def step():
+                loss = model(input_ids=ids, labels=ids, **cache).loss
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                return loss.item()
 
-        def step(model=model):
-            loss = model(input_ids=ids, labels=ids, **cache).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-            return loss.item()
+            return model, step
 
-        synchronize()
-        t = time.perf_counter()
-        loss = step()
-        out[mode] = dict(first_step_s=time.perf_counter() - t, loss=loss, peak_gib=None, turns=rounds)
-        step()  # warm-up
-        steps[mode] = step
-        if mode.startswith("kernelgraft"):
-            out[mode]["sites"] = model.kernelgraft_report.counts()
+        return make
 
-    def enter(mode):
-        for m, changes in patched.items():
-            set_globals(changes, 1 if m == mode else 0)
-
-    peaks = dict.fromkeys(order, 0)
-
-    def measured(mode):
-        def run():
-            base = torch.cuda.memory_allocated() if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            steps[mode]()
-            if cuda:
-                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated() - base)
-
-        return run
-
-    times = take_turns({m: measured(m) for m in order}, rounds, enter=enter, synchronize=synchronize)
+    got = in_turns({m: builder(m) for m in order}, rounds, torch.device(device))
     ref = "liger" if "liger" in order else order[0]
-    ratios = paired_ratios(times, ref)
-    for m in order:
-        med = sorted(times[m])[len(times[m]) // 2]
-        out[m].update(
-            tok_s=s["B"] * s["S"] / med,
-            times_ms=[round(t * 1e3, 2) for t in times[m]],
+    ratios = paired_ratios({m: v["times_s"] for m, v in got.items()}, ref)
+    out = {}
+    for m in modes:
+        v = got[m]
+        out[m] = dict(
+            tok_s=s["B"] * s["S"] / v["step_s"],
+            times_ms=[round(t * 1e3, 2) for t in v["times_s"]],
+            first_step_s=v["first_step_s"],
+            loss=v["loss"],
+            peak_gib=None,
+            turns=rounds,
             paired=dict(ref=ref, median=ratios[m][0], low=ratios[m][1], high=ratios[m][2]),
         )
-        if cuda:
-            out[m]["peak_above_start_gib"] = peaks[m] / 2**30
-    enter(order[-1])  # the globals as the last build left them
-    return {m: out[m] for m in modes}
+        if v["peak_above_start"] is not None:
+            out[m]["peak_above_start_gib"] = v["peak_above_start"] / 2**30
+        if hasattr(v["model"], "kernelgraft_report"):
+            out[m]["sites"] = v["model"].kernelgraft_report.counts()
+    return out
 
 
 # --no-cache: the step calls the model with use_cache=False (bench_distributed's step). Without it the

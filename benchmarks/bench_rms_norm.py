@@ -137,7 +137,8 @@ def plot(res, path):
     )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels)
     ax.set_ylabel("fwd+bwd ms (lower is better)")
-    ax.set_title(f"RMSNorm bf16 on {res['gpu']}")
+    dt = res["results"][0]["dtype"].replace("torch.", "") if res["results"] else "bf16"
+    ax.set_title(f"RMSNorm {dt} on {res['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -147,6 +148,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--shapes", default="16384x4096,4096x4096,16384x5120,65536x128")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="float32: the kernel computes in float64 there (kernelgraft.kernels.codegen.in_float64)",
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     import transformers
@@ -162,7 +169,7 @@ def main():
     )
     for s in a.shapes.split(","):
         M, N = map(int, s.split("x"))
-        res["results"].append(measure(M, N))
+        res["results"].append(measure(M, N, getattr(torch, a.dtype)))
         print(markdown(dict(res, results=res["results"][-1:])), flush=True)
     with open(os.path.join(a.out, "rms_norm.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -242,13 +242,15 @@ def _reduction_lines(spec: Spec, indent: str, stats_store: bool) -> list[str]:
             f"{indent}{red.symbol} = tl.reduce(tl.where(mask, {e}, 0.0), 1, tl.standard._sum_combine)[:, None]{div}"
         )
         if stats_store:
-            L.append(f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {red.symbol}{_f32(spec)}, mask=rmask)")
+            L.append(
+                f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {_stored(red.symbol, in_float64(spec))}, mask=rmask)"
+            )
     return L
 
 
-def _f32(spec: Spec) -> str:
-    """What rounds a stored value to float32 where the kernel computes in float64."""
-    return ".to(tl.float32)" if in_float64(spec) else ""
+def _stored(e: str, wide: bool) -> str:
+    """A value as stored: rounded to float32 first where the kernel computes in float64."""
+    return f"({e}).to(tl.float32)" if wide else e
 
 
 def _output_lines(spec: Spec, indent: str) -> list[str]:
@@ -256,7 +258,9 @@ def _output_lines(spec: Spec, indent: str) -> list[str]:
     # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
     lines, (e,) = _cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", indent)
     L += lines
-    L.append(f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, ({e}){_f32(spec)}, mask=mask)")
+    L.append(
+        f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, {_stored(e, in_float64(spec))}, mask=mask)"
+    )
     return L
 
 
@@ -340,17 +344,18 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     lines, exprs = _cse_lines(grads, "u", IND)
     L += lines
     partials = []
-    f32 = ".to(tl.float32)" if wide else ""
     for t, e in zip(spec.tensors, exprs):
         if spec.kinds[t] == "elem":
             L.append(f"{IND}if NEED_{t}:")
             L.append(
-                f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, ({e}){f32}, mask=mask)"
+                f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {_stored(e, wide)}, mask=mask)"
             )
         else:  # this block's column sums; the entry kernel accumulates them over its blocks
             L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)")
             L.append(f"{IND}if NEED_{t}:")
-            L.append(f"{IND2}p_{t} = tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine){f32}")
+            L.append(
+                f"{IND2}p_{t} = {_stored(f'tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine)', wide)}"
+            )
             partials.append(f"p_{t}")
     if partials:
         L.append(f"{IND}return {', '.join(partials)}")

@@ -77,7 +77,7 @@ def test_float32_backward_is_computed_in_float64_and_survives_cancellation(name)
     sp = REGISTRY.get("rms_norm", name)
     wide = kernelgraft.kernels.source("rms_norm", name, dtype=torch.float32)
     assert ".to(tl.float64)" in wide.forward and ".to(tl.float64)" in wide.backward
-    assert "r0.to(tl.float32), mask=rmask)" in wide.forward  # the statistic stored as float32
+    assert "(r0).to(tl.float32), mask=rmask)" in wide.forward  # the statistic stored as float32
     narrow = kernelgraft.kernels.source("rms_norm", name, dtype=torch.bfloat16)
     assert "float64" not in narrow.forward + narrow.backward
     for other in ("gated_mlp", "rope"):  # no row statistics: float32, as before

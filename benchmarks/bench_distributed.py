@@ -80,7 +80,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import suite  # noqa: E402
-from benchlib import in_turns, names, paired_ratios, profile_idle  # noqa: E402
+from benchlib import in_turns, names, paired_ratios, profile_idle, turn_order  # noqa: E402
 
 SETUPS = {
     "fsdp2-8b": dict(shape="llama-8b 2x4096", wrap="fsdp2"),
@@ -205,7 +205,7 @@ def measure_turns(a, modes: list[str], dev: torch.device, world: int, ids) -> di
     each round (benchlib.in_turns), each step under its own mode's globals and after a barrier.
     -> {mode: measure()'s fields, times_s in round order}; peak_gib is left out (the other modes'
     weights are resident), the peak above the step's start is kept."""
-    order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
+    order, _ = turn_order(modes)
 
     def builder(mode):
         def make():
@@ -470,16 +470,8 @@ def split_turns(ranks: list[dict], modes: list[str], rc, timeout, log: str, roun
     keep = ("rank", "tokens", "device_name", "versions", "dynamo")
     per = {m: [dict(x["by_mode"][m], **{k: x[k] for k in keep if k in x}) for x in ranks] for m in modes}
     slowest = {m: [max(ts) for ts in zip(*(r["times_s"] for r in per[m]))] for m in modes}
-    ref = "liger" if "liger" in modes else modes[0]
-    ratios = paired_ratios(slowest, ref)
-    out = []
-    for m in modes:
-        row = merge(per[m], rc, timeout, log)
-        row.update(
-            turns=rounds, paired=dict(ref=ref, median=ratios[m][0], low=ratios[m][1], high=ratios[m][2])
-        )
-        out.append((m, row))
-    return out
+    paired = paired_ratios(slowest, turn_order(modes)[1])
+    return [(m, dict(merge(per[m], rc, timeout, log), turns=rounds, paired=paired[m])) for m in modes]
 
 
 def merge(ranks: list[dict], rc, timeout, log: str) -> dict:

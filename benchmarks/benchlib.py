@@ -272,9 +272,8 @@ def in_turns(builders: dict, rounds: int, device: torch.device, barrier=None) ->
             base = torch.cuda.memory_allocated(device) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            steps[mode]()
+            steps[mode]()  # take_turns synchronizes after it; the allocator's peak needs no sync
             if cuda:
-                synchronize()
                 peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(device) - base)
 
         return run
@@ -288,11 +287,18 @@ def in_turns(builders: dict, rounds: int, device: torch.device, barrier=None) ->
     return out
 
 
+def turn_order(modes: list[str]) -> tuple[list[str], str]:
+    """(the order to build the modes in: Liger last, as it reassigns transformers' globals; the
+    reference of paired_ratios: Liger where measured, else the first mode)."""
+    order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
+    return order, ("liger" if "liger" in modes else modes[0])
+
+
 def paired_ratios(times: dict, ref: str) -> dict:
-    """{mode: (median, lowest, highest)} of a mode's step time over ref's step time in the same
+    """{mode: dict(ref, median, low, high)} of a mode's step time over ref's step time in the same
     round. Above 1: slower than ref."""
     out = {}
     for m, ts in times.items():
         r = sorted(t / u for t, u in zip(ts, times[ref]))
-        out[m] = (r[len(r) // 2], r[0], r[-1])
+        out[m] = dict(ref=ref, median=r[len(r) // 2], low=r[0], high=r[-1])
     return out

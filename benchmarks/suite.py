@@ -46,6 +46,7 @@ from benchlib import (  # noqa: E402
     profile_idle,
     profile_kernels,
     saved_bytes,
+    turn_order,
 )
 
 BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
@@ -346,7 +347,7 @@ def measure_steps_in_turns(
     build_fn = build_fn or build  # (shape, mode) -> model; tests pass a tiny one
     ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device=device)
     cache = {} if USE_CACHE is None else {"use_cache": USE_CACHE}
-    order = [m for m in modes if m != "liger"] + (["liger"] if "liger" in modes else [])
+    order, ref = turn_order(modes)
 
     def builder(mode):
         def make():
@@ -363,8 +364,7 @@ def measure_steps_in_turns(
         return make
 
     got = in_turns({m: builder(m) for m in order}, rounds, torch.device(device))
-    ref = "liger" if "liger" in order else order[0]
-    ratios = paired_ratios({m: v["times_s"] for m, v in got.items()}, ref)
+    paired = paired_ratios({m: v["times_s"] for m, v in got.items()}, ref)
     out = {}
     for m in modes:
         v = got[m]
@@ -375,7 +375,7 @@ def measure_steps_in_turns(
             loss=v["loss"],
             peak_gib=None,
             turns=rounds,
-            paired=dict(ref=ref, median=ratios[m][0], low=ratios[m][1], high=ratios[m][2]),
+            paired=paired[m],
         )
         if v["peak_above_start"] is not None:
             out[m]["peak_above_start_gib"] = v["peak_above_start"] / 2**30

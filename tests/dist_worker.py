@@ -125,29 +125,28 @@ def run_recompute(port):
         (True, True, 0.1),
     ]
     for recompute, wrapped, piece in runs:
-        if True:
-            torch._dynamo.reset()
-            mine = kernelgraft.optimize(
-                copy.deepcopy(stock), backend="inductor", recompute=recompute, ddp_piece_mb=piece
-            )
-            run = wrap(mine, "ddp") if wrapped else mine
-            saved = saved_for_backward(run, lambda run=run: run(**b, use_cache=False).loss)
-            mlp = sum(1 for _, shape in saved.values() if shape and shape[-1] == width)
-            total = sum(n for n, _ in saved.values())
-            ok = "-"
-            if wrapped:
-                bad, _ = failures(*refs, loss_and_grads(mine, b, wrapped=run))
-                ok = "ok" if not bad else "FAIL " + "; ".join(bad)
-            # nodes moved at DDP's cuts to keep recomputed calls with their readers (the report says)
-            cuts = mine.kernelgraft_report.ddp_cuts
-            moved = sum(c["moved"] for c in cuts)
-            pieces = sum(c.get("pieces", 0) for c in cuts)
-            kept = [c["kept_ddp_cut"] for c in cuts if "kept_ddp_cut" in c]  # why a plan was dropped
-            print(
-                f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} kept {kept} grads {ok} "
-                f"pieces {pieces} at {piece}",
-                flush=True,
-            )
+        torch._dynamo.reset()
+        mine = kernelgraft.optimize(
+            copy.deepcopy(stock), backend="inductor", recompute=recompute, ddp_piece_mb=piece
+        )
+        run = wrap(mine, "ddp") if wrapped else mine
+        saved = saved_for_backward(run, lambda run=run: run(**b, use_cache=False).loss)
+        mlp = sum(1 for _, shape in saved.values() if shape and shape[-1] == width)
+        total = sum(n for n, _ in saved.values())
+        ok = "-"
+        if wrapped:
+            bad, _ = failures(*refs, loss_and_grads(mine, b, wrapped=run))
+            ok = "ok" if not bad else "FAIL " + "; ".join(bad)
+        # nodes moved at DDP's cuts to keep recomputed calls with their readers (the report says)
+        cuts = mine.kernelgraft_report.ddp_cuts
+        moved = sum(c["moved"] for c in cuts)
+        pieces = sum(c.get("pieces", 0) for c in cuts)
+        kept = [c["kept_ddp_cut"] for c in cuts if "kept_ddp_cut" in c]  # why a plan was dropped
+        print(
+            f"recompute {recompute} ddp {wrapped} saved {total} mlp {mlp} moved {moved} kept {kept} grads {ok} "
+            f"pieces {pieces} at {piece}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

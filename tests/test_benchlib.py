@@ -181,7 +181,18 @@ def test_taking_turns_rotates_the_order_and_pairs_the_rounds():
     assert seen[1::2] == list("abcbcacababc") and seen[::2] == ["enter " + m for m in "abcbcacababc"]
     assert {m: len(t) for m, t in times.items()} == {"a": 4, "b": 4, "c": 4}
     fake = {"x": [2.0, 3.0, 4.0], "ref": [1.0, 2.0, 2.0]}
-    assert benchlib.paired_ratios(fake, "ref") == {"x": (2.0, 1.5, 2.0), "ref": (1.0, 1.0, 1.0)}
+    assert benchlib.paired_ratios(fake, "ref") == {
+        "x": dict(ref="ref", median=2.0, low=1.5, high=2.0),
+        "ref": dict(ref="ref", median=1.0, low=1.0, high=1.0),
+    }
+    assert benchlib.turn_order(["liger", "eager", "kernelgraft (inductor)"]) == (
+        ["eager", "kernelgraft (inductor)", "liger"],
+        "liger",
+    )
+    assert benchlib.turn_order(["eager", "kernelgraft (eager)"]) == (
+        ["eager", "kernelgraft (eager)"],
+        "eager",
+    )
     before = {("m", "f"): print, ("m", "data"): 1, ("m", "g"): len}
     after = {("m", "f"): repr, ("m", "data"): 2, ("m", "g"): len, ("m", "new"): abs}
     assert benchlib.changed_globals(before, after) == {("m", "f"): (print, repr)}  # data and new names left

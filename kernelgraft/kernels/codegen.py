@@ -183,10 +183,11 @@ def _fwd_block(spec: Spec, needed: set) -> list[str]:
     L += _rotation(IND, needed)
     L += _row_index(IND)
     L += _elem_loads(spec, _elems(spec), IND, needed)
-    if in_float64(spec):
+    wide = in_float64(spec)
+    if wide:
         L += _widened(_loaded(spec, needed, cv))
-    L += _reduction_lines(spec, IND, stats_store=True)
-    L += _output_lines(spec, IND)
+    L += _reduction_lines(spec, IND, wide, stats_store=True)
+    L += _output_lines(spec, IND, wide)
     return L
 
 
@@ -229,8 +230,9 @@ def _bwd_group_args(spec: Spec, with_out: bool = False) -> list[str]:
     return a + (_strided("out") if with_out else []) + ["M", "D1", "D2"]
 
 
-def _reduction_lines(spec: Spec, indent: str, stats_store: bool) -> list[str]:
-    """The forward's row statistics from the loaded row (stored for the backward, or kept)."""
+def _reduction_lines(spec: Spec, indent: str, wide: bool, stats_store: bool) -> list[str]:
+    """The forward's row statistics from the loaded row (stored for the backward, or kept); wide:
+    the kernel computes in float64 (in_float64)."""
     K = max(len(spec.reductions), 1)
     L = []
     for k, red in enumerate(spec.reductions):
@@ -243,7 +245,7 @@ def _reduction_lines(spec: Spec, indent: str, stats_store: bool) -> list[str]:
         )
         if stats_store:
             L.append(
-                f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {_stored(red.symbol, in_float64(spec))}, mask=rmask)"
+                f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {_stored(red.symbol, wide)}, mask=rmask)"
             )
     return L
 
@@ -253,14 +255,12 @@ def _stored(e: str, wide: bool) -> str:
     return f"({e}).to(tl.float32)" if wide else e
 
 
-def _output_lines(spec: Spec, indent: str) -> list[str]:
+def _output_lines(spec: Spec, indent: str, wide: bool) -> list[str]:
     L = [f"{indent}# y = {spec.output}"]
     # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
     lines, (e,) = _cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", indent)
     L += lines
-    L.append(
-        f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, {_stored(e, in_float64(spec))}, mask=mask)"
-    )
+    L.append(f"{indent}tl.store(out_ptr + {_offset('out')} + cols * out_sc, {_stored(e, wide)}, mask=mask)")
     return L
 
 
@@ -320,8 +320,8 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     if wide:  # float32 tensors, a norm: computed in float64 (in_float64)
         L += _widened(["g"] + (["g__p"] if "g__p" in needed else []) + _loaded(spec, needed, cv))
     if with_out:  # the forward's work, on the row already loaded: statistics, then the output
-        L += _reduction_lines(spec, IND, stats_store=False)
-        L += _output_lines(spec, IND)
+        L += _reduction_lines(spec, IND, wide, stats_store=False)
+        L += _output_lines(spec, IND, wide)
         if wide:  # the statistics as the forward stores them, for the gradients to match _bwd's
             L += [f"{IND}{r} = {r}.to(tl.float32).to(tl.float64)" for r in stats]
     else:

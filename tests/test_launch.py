@@ -72,7 +72,9 @@ def test_rope_walks_rows_in_the_memory_order_of_q_and_a_norm_as_given(monkeypatc
     q, cos, sin = rope_inputs(2, 4, 6, 8)
     y = op_for(ROPE)(q, cos, sin)
     (gq,) = torch.autograd.grad(y, (q,), torch.ones_like(y))
-    assert seen == [(0, [2, 6, 4]), (1, [2, 6, 4])], seen
+    # the output and gradient are laid out as q (rows_like), so batch and position merge into one dim
+    assert seen == [(0, [1, 12, 4]), (1, [1, 12, 4])], seen
+    assert y.stride() == gq.stride() == q.stride() != q.contiguous().stride()
     want = rope_eager(q, cos, sin)
     torch.testing.assert_close(y, want, rtol=0, atol=0)
     torch.testing.assert_close(
@@ -334,3 +336,63 @@ def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels):
     # norm, rope (paired), gated mlp, the LM head's CE kernel: each warned once
     assert len(broken_kernels.FAILED) >= 4
     assert any(k[0].startswith("lm_head_ce") for k in broken_kernels.FAILED)
+
+
+def _real_and_fake(call, tensors):
+    """call(*tensors) on the tensors, then on fake copies of them -> (real results, fake results)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = call(*tensors)
+    with FakeTensorMode() as mode:
+        fake = call(*(mode.from_tensor(t) for t in tensors))
+    return real, fake
+
+
+@pytest.mark.parametrize("layout", ["hf transposed", "contiguous", "gapped"])
+def test_outputs_are_laid_out_as_the_fakes_declare(layout):
+    """Inductor plans around the strides of an op's fake implementation: the launch must make the
+    same ones, forward, backward and the backward that also makes the output (bwdo), single and
+    paired. RoPE (no row statistics) lays its output and q's gradient out as q where q is dense
+    (HF's transposed q: (batch, position, head) memory), contiguous where q has gaps; RMSNorm
+    (row statistics) is contiguous whatever x's layout."""
+    q, cos, sin = rope_inputs(2, 4, 6, 8)
+    k, _, _ = rope_inputs(2, 2, 6, 8, seed=1)
+    if layout == "contiguous":
+        q, k = (t.detach().contiguous() for t in (q, k))
+    elif layout == "gapped":  # every other head of a wider tensor: not dense
+        q = rope_inputs(2, 8, 6, 8)[0].detach()[:, ::2]
+    g, gk = torch.randn(q.shape), torch.randn(k.shape)
+    single, pair = op_for(ROPE, recompute=True), pair_op_for(ROPE)
+    cases = {
+        "rope fwd": (lambda q, c, s: single.fwd(q, c, s), (q, cos, sin)),
+        "rope bwd": (lambda g, q, c, s, st: single.bwd(g, q, c, s, st, [True, True, False]), (g, q, cos, sin,
+                     torch.empty(*q.shape[:-1], 1))),
+        "rope bwdo": (lambda g, q, c, s: single.bwd_out(g, q, c, s, [True, False, True]), (g, q, cos, sin)),
+        "pair fwd": (lambda q, c, s, k: pair.fwd(q, c, s, k, c, s), (q, cos, sin, k)),
+        "pair bwd": (lambda g, gk, q, c, s, k, a, b: pair.bwd(g, gk, q, c, s, k, c, s, a, b, [True] + [False] * 2
+                     + [True] * 3), (g, gk, q, cos, sin, k, torch.empty(*q.shape[:-1], 1),
+                                     torch.empty(*k.shape[:-1], 1))),
+    }  # fmt: skip
+    x = q.detach() if layout != "contiguous" else q.detach().transpose(1, 2)
+    w = torch.randn(8)
+    rms = op_for(RMS, recompute=True)
+    cases["rms fwd"] = (lambda x, w: rms.fwd(x, w, 1e-6), (x, w))
+    cases["rms bwdo"] = (
+        lambda g, x, w: rms.bwd_out(g, x, w, 1e-6, [True, True]),
+        (torch.randn(x.shape), x, w),
+    )
+    for name, (call, tensors) in cases.items():
+        real, fake = _real_and_fake(call, [t.detach() for t in tensors])
+        real = [t for t in real if t.numel()]
+        fake = [t for t in fake if t.numel()]
+        assert [(t.shape, t.stride(), t.dtype) for t in real] == [
+            (t.shape, t.stride(), t.dtype) for t in fake
+        ], name
+        mains = [x] if name.startswith("rms") else [q, k] if name.startswith("pair") else [q]
+        full = [(t, m) for t in real for m in mains if t.shape == m.shape]
+        assert len(full) >= len(mains), name
+        for t, m in full:
+            if name.startswith("rms") or (layout == "gapped" and m is q):
+                assert t.is_contiguous(), name
+            else:
+                assert t.stride() == m.stride(), name

@@ -17,7 +17,7 @@ from .spec import build_spec
 _OPS: dict[str, GraftedOp] = {}
 # In every op name: inductor's on-disk caches key compiled graphs by op name, so a change to what an
 # op returns (shapes, strides of the fake implementation) must change the name. Bump it then.
-ABI = 2
+ABI = 3
 
 
 @dataclass
@@ -66,15 +66,36 @@ def _define(name: str, impl, fake, schema: str):
     return op, getattr(torch.ops.kernelgraft, name).default
 
 
-def _fake(sp, args, rounding):
-    """(out, row stats) as empty tensors of the right shapes and dtypes."""
+def _faked(sp, args, rounding):
+    """(tensors by name, layout, spec, the per-element tensors) of a call, for the fakes."""
     tensors, _ = rowkernel.split_args(sp, args)
     lay = rowkernel.layout(sp, tensors)
     spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
+    return tensors, lay, spec, [t for n, t in tensors.items() if lay.kinds[n] == "elem"]
+
+
+def _fake(sp, args, rounding):
+    """(out, row stats) as empty tensors of the shapes, dtypes and strides the launch makes."""
+    tensors, lay, spec, elems = _faked(sp, args, rounding)
     dev = next(iter(tensors.values())).device
     K = max(len(spec.reductions), 1)
-    out = torch.empty(lay.shape, dtype=spec.out_dtype, device=dev)
+    out = rowkernel.rows_like(bool(spec.reductions), elems, lay.shape, spec.out_dtype)
     return out, torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
+
+
+def _grad_fakes(sp, args, needs, rounding) -> list:
+    """The gradients of a call's tensor arguments as the launch makes them (empty where not needed):
+    a full-size per-element one laid out by rowkernel.rows_like, any other contiguous."""
+    tensors, lay, spec, elems = _faked(sp, args, rounding)
+    out = []
+    for (n, t), need in zip(tensors.items(), needs):
+        if not need:
+            out.append(t.new_empty(0))
+        elif lay.kinds[n] == "elem" and tuple(t.shape) == tuple(lay.shape):
+            out.append(rowkernel.rows_like(bool(spec.reductions), elems, lay.shape, t.dtype))
+        else:
+            out.append(t.new_empty(t.shape))
+    return out
 
 
 def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> GraftedOp:
@@ -102,10 +123,7 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
 
     def bwd_fake(grad, *rest):
         *args, stats, needs = rest
-        return [
-            args[i].new_empty(args[i].shape) if need else args[i].new_empty(0)
-            for i, need in zip(tensor_idx, needs)
-        ]
+        return _grad_fakes(sp, args, needs, rounding)
 
     fwd, fwd_op = _define(name, fwd_impl, fwd_fake, f"({_schema_args(sp)}) -> (Tensor, Tensor)")
     bwd_schema = f"(Tensor grad, {_schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
@@ -190,8 +208,7 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     def bwd_fake(g0, g1, *rest):
         *args, s0, s1, needs = rest
         a0, a1 = split(args)
-        ts = [a0[i] for i in tensor_idx] + [a1[i] for i in tensor_idx]
-        return [t.new_empty(t.shape) if need else t.new_empty(0) for t, need in zip(ts, needs)]
+        return _grad_fakes(sp, a0, needs[:T], rounding) + _grad_fakes(sp, a1, needs[T:], rounding)
 
     second = ", ".join(f"Tensor {sp.arg_names[i]}_1" for i in tensor_idx)
     fwd, fwd_op = _define(

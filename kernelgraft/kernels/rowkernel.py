@@ -342,6 +342,33 @@ def _main(k: RowKernel, g: _Group, elems: list[torch.Tensor]) -> int | None:
     return next(i for i, t in enumerate(elems) if tuple(t.shape) == tuple(g.lay.shape))
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its memory without gaps or overlap, in some order of its dims."""
+    expect = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def rows_like(reduces: bool, elems: list[torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
+    """An empty output of `shape` (a result, or an element-wise gradient) for a launch whose
+    per-element arguments are `elems`: laid out as the first full-size one where the kernel has no
+    row statistics and that tensor is dense (no gaps, no overlap), contiguous otherwise. The rows
+    are walked in that tensor's memory order (_main), so the stores then follow it too: Hugging
+    Face's q and k are (batch, head, position) views of (batch, position, head) memory, and a
+    contiguous output scattered each row of a block to another place (one position's heads are
+    `position x head_dim` apart there). Eager PyTorch's element-wise ops keep their input's
+    layout the same way. The rule reads only shapes and strides: the fake implementations
+    (kernels/ops.py) follow it on fake tensors and give inductor the very strides the launch makes."""
+    ref = None if reduces else next((t for t in elems if tuple(t.shape) == tuple(shape)), None)
+    dev = elems[0].device
+    if ref is not None and ref.numel() and _dense(ref):
+        return torch.empty_strided(tuple(shape), ref.stride(), dtype=dtype, device=dev)
+    return torch.empty(shape, dtype=dtype, device=dev)
+
+
 def _kernel(spelling, g: _Group, rounding: str) -> RowKernel:
     return row_kernel(spelling, {n: t.dtype for n, t in g.tensors.items()}, g.lay.kinds, rounding)
 
@@ -403,10 +430,10 @@ def forward_group(
     N = groups[0].lay.N
     results, gargs, total_rows = [], [], 0
     for g in groups:
-        out = torch.empty(g.lay.shape, dtype=k.spec.out_dtype, device=dev)
+        elems = [g.tensors[n] for n in g.tensors if g.lay.kinds[n] == "elem"]
+        out = rows_like(bool(k.spec.reductions), elems, g.lay.shape, k.spec.out_dtype)
         stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
         results.append((out, stats))
-        elems = [g.tensors[n] for n in g.tensors if g.lay.kinds[n] == "elem"]
         sizes, strides, views = _rows(g.lay.shape, [*elems, out], main=_main(k, g, elems))
         for v, st in zip(views, strides):
             gargs += _strided(v, st)
@@ -485,7 +512,13 @@ def backward_group(
     k = _kernel(spelling, groups[0], rounding)
 
     def reference():
-        res = [_reference_backward(spelling, g, a, nd) for g, a, nd in zip(grads, arg_sets, needs_per_set)]
+        res = [
+            [
+                _laid_out(spelling, a, k, r) if r.numel() and r.shape == gr.lay.shape else r.contiguous()
+                for r in _reference_backward(spelling, g, a, nd)
+            ]
+            for g, a, nd, gr in zip(grads, arg_sets, needs_per_set, groups)
+        ]
         if with_out:
             res = [r + [_reference_forward(spelling, a, k)[0]] for r, a in zip(res, arg_sets)]
         return res
@@ -523,16 +556,16 @@ def backward_group(
     }
     elem_bufs, gargs, fwd_outs = [], [], []
     for g, grad, st in zip(groups, grads, stats):
+        elems = [g.tensors[n] for n in names if kinds[n] == "elem"]
         bufs = {
-            n: torch.empty(g.lay.shape, dtype=g.tensors[n].dtype, device=dev) if need else None
+            n: rows_like(reduces, elems, g.lay.shape, g.tensors[n].dtype) if need else None
             for n, need in zip(names, needs)
             if kinds[n] == "elem"
         }
         elem_bufs.append(bufs)
-        elems = [g.tensors[n] for n in names if kinds[n] == "elem"]
         outs = [b for b in bufs.values() if b is not None]
         if with_out:
-            fwd_outs.append(torch.empty(g.lay.shape, dtype=k.spec.out_dtype, device=dev))
+            fwd_outs.append(rows_like(reduces, elems, g.lay.shape, k.spec.out_dtype))
             outs.append(fwd_outs[-1])
         main = _main(k, g, elems)
         sizes, strides, views = _rows(
@@ -583,8 +616,8 @@ def backward_group(
                 res.append(col_grads.pop(n) if n in col_grads else torch.zeros_like(t))
             elif tuple(t.shape) == tuple(g.lay.shape):
                 res.append(bufs[n])
-            else:  # a broadcast argument: its full gradient, summed back to its shape
-                res.append(bufs[n].float().sum_to_size(t.shape).to(t.dtype))
+            else:  # a broadcast argument: its full gradient, summed back to its shape (contiguous, as faked)
+                res.append(bufs[n].float().sum_to_size(t.shape).to(t.dtype).contiguous())
         out.append(res)
     if with_out:
         out = [r + [y] for r, y in zip(out, fwd_outs)]
@@ -625,10 +658,20 @@ def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:
     )
 
 
+def _laid_out(spelling, args: tuple, k: RowKernel, t: torch.Tensor) -> torch.Tensor:
+    """t (a full-size output or gradient of the stock code) in the layout the launch would have
+    given it (rows_like), which the op's fake implementation declared to inductor."""
+    tensors, _ = split_args(spelling, args)
+    kinds = layout(spelling, tensors).kinds
+    elems = [x for n, x in tensors.items() if kinds[n] == "elem"]
+    want = rows_like(bool(k.spec.reductions), elems, t.shape, t.dtype)
+    return t if t.stride() == want.stride() else want.copy_(t)
+
+
 def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, row stats) from the spelling itself; the stats are unused on this path."""
     with torch.no_grad():
-        out = spelling.fn(*args)
+        out = _laid_out(spelling, args, k, spelling.fn(*args))
     K = max(len(k.spec.reductions), 1)
     return out, torch.empty((*out.shape[:-1], K), dtype=torch.float32, device=out.device)
 

@@ -38,6 +38,44 @@ def test_same_source_compiled_and_interpreted_in_one_process():
     assert torch.equal(gpu.cpu(), sp.fn(x, w, 1e-6))
 
 
+def _rounding_module():
+    from kernelgraft.kernels.cache import load_module
+    from kernelgraft.kernels.codegen import HEADER
+
+    src = (
+        HEADER.format(qual="a test of the header", dtypes="-", kinds="-", out="float32")
+        + """
+
+@triton.jit
+def both(x_ptr, bits_ptr, cast_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m)
+    tl.store(bits_ptr + i, _round_bf16_bits(x), mask=m)
+    tl.store(cast_ptr + i, _round_bf16(x), mask=m)
+"""
+    )
+    return load_module("test_round_bf16", src)[0]
+
+
+def test_bf16_rounding_by_cast_is_the_bits_for_every_float32_on_gpu():
+    # the compiled kernels round to bf16 by a cast (cvt.rn), the interpreter in bits: every one of
+    # the 2**32 float32 bit patterns rounds to the same value both ways (NaN to NaN)
+    mod = _rounding_module()
+    assert mod._round_bf16 is mod._round_bf16_cast  # the compiled instance takes the cast
+    chunk = 1 << 28
+    for start in range(0, 1 << 32, chunk):
+        bits = torch.arange(start, start + chunk, device=CUDA, dtype=torch.int64)
+        x = (bits - (1 << 32) * (bits >= (1 << 31))).to(torch.int32).view(torch.float32)
+        a, b = torch.empty_like(x), torch.empty_like(x)
+        mod.both[(chunk // 4096,)](x, a, b, chunk, BLOCK=4096)
+        nan = torch.isnan(x)
+        assert torch.equal(torch.isnan(a), nan) and torch.equal(torch.isnan(b), nan)
+        assert torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan]), hex(start)
+        # and both are torch's own float32 -> bfloat16 rounding
+        assert torch.equal(a[~nan], x[~nan].to(torch.bfloat16).float()), hex(start)
+
+
 def test_deterministic():
     sp = REGISTRY.get("rms_norm", "llama")
     op = op_for(sp)

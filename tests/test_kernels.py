@@ -89,3 +89,28 @@ def test_float32_backward_is_computed_in_float64_and_survives_cancellation(name)
     gx = verdicts["grad x"]
     # float32 was 3.03e-06 against eager's 2.25e-06 here (Gemma, this CPU); now below eager's
     assert gx.kernelgraft < 0.5 * gx.eager, str(gx)
+
+
+def test_bf16_rounding_in_the_interpreter_is_in_bits():
+    # the interpreter truncates x.to(tl.bfloat16) where the GPU rounds: its instance of a generated
+    # module rounds in bits, the compiled instance by a cast (checked over every float32 on the GPU:
+    # tests/test_gpu.py); whichever it runs, the bf16 rounding is torch's (ties to even)
+    from kernelgraft.kernels.cache import load_module
+    from kernelgraft.kernels.codegen import HEADER
+
+    src = HEADER.format(qual="a test of the header", dtypes="-", kinds="-", out="float32") + (
+        "\n\n@triton.jit\ndef rnd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):\n"
+        "    i = tl.arange(0, BLOCK)\n"
+        "    tl.store(y_ptr + i, _round_bf16(tl.load(x_ptr + i, mask=i < n)), mask=i < n)\n"
+    )
+    interp, _ = load_module("test_round_bf16", src, interpret=True)
+    compiled, _ = load_module("test_round_bf16", src)
+    assert interp._round_bf16.fn is interp._round_bf16_bits.fn
+    assert compiled._round_bf16 is compiled._round_bf16_cast
+    # ties (to even, both ways), just above and below them, the largest finite, inf, a denormal
+    bits = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F7FFFFF, 0x7F800000, 0x00008000, 0x80018000]
+    x = torch.tensor([b - (1 << 32) * (b >= 1 << 31) for b in bits], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.randn(56) * 1e3])
+    y = torch.empty_like(x)
+    interp.rnd[(1,)](x, y, x.numel(), BLOCK=64)
+    assert torch.equal(y, x.to(torch.bfloat16).float())

@@ -91,6 +91,7 @@ def load_module(name: str, source: str, *, interpret: bool = False):
         return sys.modules[modname], path
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
+    mod.INTERPRETED = interpret  # read by the generated header (its bf16 rounding)
     spec.loader.exec_module(mod)
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction

@@ -37,12 +37,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _round_bf16(x):
-    # float32 -> nearest bfloat16 (ties to even), kept in float32. In bits rather than
-    # x.to(tl.bfloat16): Triton's interpreter truncates that cast where the GPU rounds.
+def _round_bf16_bits(x):
+    # float32 -> nearest bfloat16 (ties to even), kept in float32, in bits: Triton's interpreter
+    # truncates x.to(tl.bfloat16) where the GPU rounds
     b = x.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round_bf16_cast(x):
+    # the same rounding on the GPU: one conversion each way (cvt.rn), where the bits took ~8
+    # instructions an element, which left RoPE's kernels bound by instructions rather than memory
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+# the interpreter's instance of this module sets INTERPRETED before running it (kernels/cache.py)
+_round_bf16 = _round_bf16_bits if globals().get("INTERPRETED") else _round_bf16_cast
 
 
 @triton.jit

@@ -114,3 +114,18 @@ def test_bf16_rounding_in_the_interpreter_is_in_bits():
     y = torch.empty_like(x)
     interp.rnd[(1,)](x, y, x.numel(), BLOCK=64)
     assert torch.equal(y, x.to(torch.bfloat16).float())
+
+
+def test_more_rows_than_an_int32_index_are_refused_not_wrapped():
+    # the kernels split a row index in int32: a tensor of more rows falls back (reported), and the
+    # launcher refuses it too where a call gets past the match (no index wraps around silently)
+    from kernelgraft.kernels import refusal, rowkernel
+
+    sp = REGISTRY.get("gated_mlp", "silu")
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    big = {n: torch.empty(rowkernel.MAX_ROWS + 1, 1, **meta) for n in sp.tensor_names}
+    assert "rows" in refusal(sp, big)
+    assert refusal(sp, {n: torch.empty(rowkernel.MAX_ROWS, 1, **meta) for n in sp.tensor_names}) is None
+    groups, _ = rowkernel._groups(sp, [tuple(big[n] for n in sp.arg_names)])
+    with pytest.raises(rowkernel.Unsupported, match="rows"):
+        rowkernel._check_rows(groups)

@@ -8,7 +8,7 @@ import torch
 
 from . import lm_head, ops
 from .cache import cache_dir
-from .rowkernel import MAX_N, layout, row_kernel
+from .rowkernel import MAX_N, MAX_ROWS, layout, row_kernel
 from .spec import Unsupported
 
 KERNELS = ("row", "lm_head_ce")  # the kernel families a spelling can name
@@ -52,6 +52,8 @@ def refusal(spelling, metas: dict, rounding: str = "autograd", options: dict | N
         return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
     try:
         lay = layout(spelling, metas)
+        if isinstance(lay.M, int) and lay.M > MAX_ROWS:
+            return f"{lay.M} rows; generated kernels index at most {MAX_ROWS} rows in one tensor"
         row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
     except (Unsupported, ValueError) as e:
         return str(e)

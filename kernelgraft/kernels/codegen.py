@@ -119,13 +119,17 @@ def _rotation(indent: str, needed: set) -> list[str]:
 
 
 def _row_index(indent: str) -> list[str]:
+    # the row split in int32 (the launcher keeps row counts below 2**31: MAX_ROWS), each index
+    # widened before it meets a stride: a 64-bit division is several times the instructions
     return [
-        f"{indent}rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]",
+        f"{indent}rows = (rb * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]",
         f"{indent}rmask = rows < M",
         f"{indent}mask = rmask & cmask",
-        f"{indent}i2 = rows % D2",
-        f"{indent}i1 = (rows // D2) % D1",
-        f"{indent}i0 = rows // D2 // D1",
+        f"{indent}i12 = rows // D2",
+        f"{indent}i2 = (rows - i12 * D2).to(tl.int64)",
+        f"{indent}i1 = (i12 % D1).to(tl.int64)",
+        f"{indent}i0 = (i12 // D1).to(tl.int64)",
+        f"{indent}rows = rows.to(tl.int64)",
     ]
 
 

@@ -17,6 +17,7 @@ from .derive import Backward, derive
 from .spec import Spec, Unsupported, build_spec
 
 MAX_N = 65536  # the whole row sits in registers; wider rows fall back (reported)
+MAX_ROWS = 2**31 - 2**16  # rows of one tensor: the kernels split a row index in int32 (codegen._row_index)
 
 
 @dataclass
@@ -445,6 +446,7 @@ def forward_group(
         raise Unsupported(
             f"rows of {N} elements; generated kernels hold a row of at most {MAX_N} in registers"
         )
+    _check_rows(groups)
     shared = []
     for n, t in groups[0].tensors.items():
         if groups[0].lay.kinds[n] == "col":
@@ -462,6 +464,12 @@ def forward_group(
         _failed(k, dev, e)
         return [_reference_forward(spelling, a, k) for a in arg_sets]
     return results
+
+
+def _check_rows(groups: list[_Group]) -> None:
+    big = max(g.lay.M for g in groups)
+    if big > MAX_ROWS:
+        raise Unsupported(f"{big} rows; generated kernels index at most {MAX_ROWS} rows in one tensor")
 
 
 def _entry(which: str, G: int) -> str:
@@ -583,6 +591,7 @@ def backward_group(
     if total_rows > 0 and N > 0:
         if N > MAX_N:
             raise Unsupported(f"rows of {N} elements (max {MAX_N})")
+        _check_rows(groups)
         shared = []
         for n in names:
             if kinds[n] == "col":

@@ -24,11 +24,15 @@ from kernelgraft.patterns import REGISTRY
 BW = 4275e9  # ANCHORS.md's device copy rate
 
 
-def cases(quick: bool):
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+def cases(quick: bool, dtype: torch.dtype = torch.bfloat16):
+    """The cases swept. float32: the RMSNorm rows only (the kernels that compute in float64:
+    codegen.in_float64), whose launch configs were tuned for bf16."""
+    bf = dict(device="cuda", dtype=dtype)
     torch.manual_seed(0)
     out = []
-    for M, N in [(16384, 4096)] + ([] if quick else [(16384, 2048), (65536, 128)]):
+    for M, N in [(16384, 4096)] + ([] if quick else [(16384, 2048), (4096, 4096), (65536, 128)]):
+        if (M, N) == (4096, 4096) and dtype != torch.float32:
+            continue
         x, w = torch.randn(M, N, **bf), torch.randn(N, **bf)
         out.append(
             (
@@ -36,10 +40,12 @@ def cases(quick: bool):
                 REGISTRY.get("rms_norm", "llama"),
                 [(x, w, 1e-6)],
                 [True, True],
-                2 * M * N * 2,
-                3 * M * N * 2,
+                2 * M * N * x.element_size(),
+                3 * M * N * x.element_size(),
             )
         )
+    if dtype == torch.float32:
+        return out
     for D in (128,) if quick else (128, 64):  # 64: the Llama-3.2-1B's heads
         B, S = 8, 2048
         q = torch.randn(B, S, 32, D, **bf).transpose(1, 2)
@@ -172,7 +178,7 @@ def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
 
 
 def markdown(doc) -> str:
-    L = [f"Row-kernel launch configs, bf16, {doc['gpu']}, {doc['date']} (device time, CUDA graph replay)\n",
+    L = [f"Row-kernel launch configs, {doc.get('dtype', 'bfloat16')}, {doc['gpu']}, {doc['date']} (device time, CUDA graph replay)\n",
          "| case | launch | floor ms | default ms | best ms | best config | best vs default |",
          "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in doc["results"]:
@@ -199,12 +205,20 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--quick", action="store_true", help="the ANCHORS.md shapes only")
     ap.add_argument("--only", default="", help="cases whose name contains one of these (comma-separated)")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="float32: the RMSNorm cases only, whose kernels compute in float64",
+    )
     a = ap.parse_args()
     QUICK = a.quick
     os.makedirs(a.out, exist_ok=True)
-    doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=[])
+    doc = dict(
+        date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), dtype=a.dtype, results=[]
+    )
     keep = [k for k in a.only.split(",") if k]
-    for case in cases(a.quick):
+    for case in cases(a.quick, getattr(torch, a.dtype)):
         if keep and not any(k in case[0] for k in keep):
             continue
         doc["results"].append(run_case(*case))

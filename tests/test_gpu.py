@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from test_kernels import rounding_module
 from test_rms_norm_op import assert_ok, inputs
 from tiny import batch, compare_models, tiny_model
 
@@ -38,30 +39,10 @@ def test_same_source_compiled_and_interpreted_in_one_process():
     assert torch.equal(gpu.cpu(), sp.fn(x, w, 1e-6))
 
 
-def _rounding_module():
-    from kernelgraft.kernels.cache import load_module
-    from kernelgraft.kernels.codegen import HEADER
-
-    src = (
-        HEADER.format(qual="a test of the header", dtypes="-", kinds="-", out="float32")
-        + """
-
-@triton.jit
-def both(x_ptr, bits_ptr, cast_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    x = tl.load(x_ptr + i, mask=m)
-    tl.store(bits_ptr + i, _round_bf16_bits(x), mask=m)
-    tl.store(cast_ptr + i, _round_bf16(x), mask=m)
-"""
-    )
-    return load_module("test_round_bf16", src)[0]
-
-
 def test_bf16_rounding_by_cast_is_the_bits_for_every_float32_on_gpu():
     # the compiled kernels round to bf16 by a cast (cvt.rn), the interpreter in bits: every one of
     # the 2**32 float32 bit patterns rounds to the same value both ways (NaN to NaN)
-    mod = _rounding_module()
+    mod = rounding_module(interpret=False)
     assert mod._round_bf16 is mod._round_bf16_cast  # the compiled instance takes the cast
     chunk = 1 << 28
     for start in range(0, 1 << 32, chunk):

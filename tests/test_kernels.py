@@ -91,20 +91,39 @@ def test_float32_backward_is_computed_in_float64_and_survives_cancellation(name)
     assert gx.kernelgraft < 0.5 * gx.eager, str(gx)
 
 
+ROUNDING_KERNELS = """
+
+@triton.jit
+def rnd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, _round_bf16(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+@triton.jit
+def both(x_ptr, bits_ptr, cast_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m)
+    tl.store(bits_ptr + i, _round_bf16_bits(x), mask=m)
+    tl.store(cast_ptr + i, _round_bf16_cast(x), mask=m)
+"""
+
+
+def rounding_module(interpret: bool):
+    """The generated kernels' header with two test kernels (also used by tests/test_gpu.py): its
+    interpreter's instance, or its compiled one."""
+    from kernelgraft.kernels.cache import load_module
+    from kernelgraft.kernels.codegen import HEADER
+
+    src = HEADER.format(qual="a test of the header", dtypes="-", kinds="-", out="float32") + ROUNDING_KERNELS
+    return load_module("test_round_bf16", src, interpret=interpret)[0]
+
+
 def test_bf16_rounding_in_the_interpreter_is_in_bits():
     # the interpreter truncates x.to(tl.bfloat16) where the GPU rounds: its instance of a generated
     # module rounds in bits, the compiled instance by a cast (checked over every float32 on the GPU:
     # tests/test_gpu.py); whichever it runs, the bf16 rounding is torch's (ties to even)
-    from kernelgraft.kernels.cache import load_module
-    from kernelgraft.kernels.codegen import HEADER
-
-    src = HEADER.format(qual="a test of the header", dtypes="-", kinds="-", out="float32") + (
-        "\n\n@triton.jit\ndef rnd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):\n"
-        "    i = tl.arange(0, BLOCK)\n"
-        "    tl.store(y_ptr + i, _round_bf16(tl.load(x_ptr + i, mask=i < n)), mask=i < n)\n"
-    )
-    interp, _ = load_module("test_round_bf16", src, interpret=True)
-    compiled, _ = load_module("test_round_bf16", src)
+    interp, compiled = rounding_module(True), rounding_module(False)
     assert interp._round_bf16.fn is interp._round_bf16_bits.fn
     assert compiled._round_bf16 is compiled._round_bf16_cast
     # ties (to even, both ways), just above and below them, the largest finite, inf, a denormal

@@ -335,12 +335,12 @@ def _shareable(groups: list[_Group]) -> bool:
     return True
 
 
-def _main(k: RowKernel, g: _Group, elems: list[torch.Tensor]) -> int | None:
+def _main(reduces: bool, elems: list[torch.Tensor], shape) -> int | None:
     """The index in `elems` of the first full-size one, whose memory order the rows follow; None
-    (the order as given) for a kernel with row statistics (see _rows)."""
-    if k.spec.reductions:
+    (the order as given) for a kernel with row statistics (see _rows), or where none is full-size."""
+    if reduces:
         return None
-    return next(i for i, t in enumerate(elems) if tuple(t.shape) == tuple(g.lay.shape))
+    return next((i for i, t in enumerate(elems) if tuple(t.shape) == tuple(shape)), None)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -355,15 +355,16 @@ def _dense(t: torch.Tensor) -> bool:
 
 def rows_like(reduces: bool, elems: list[torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
     """An empty output of `shape` (a result, or an element-wise gradient) for a launch whose
-    per-element arguments are `elems`: laid out as the first full-size one where the kernel has no
-    row statistics and that tensor is dense (no gaps, no overlap), contiguous otherwise. The rows
-    are walked in that tensor's memory order (_main), so the stores then follow it too: Hugging
+    per-element arguments are `elems`: laid out as the one whose memory order the rows are walked
+    in (_main) where that tensor is dense (no gaps, no overlap), contiguous otherwise (and for a
+    kernel with row statistics). The stores then follow the walk too: Hugging
     Face's q and k are (batch, head, position) views of (batch, position, head) memory, and a
     contiguous output scattered each row of a block to another place (one position's heads are
     `position x head_dim` apart there). Eager PyTorch's element-wise ops keep their input's
     layout the same way. The rule reads only shapes and strides: the fake implementations
     (kernels/ops.py) follow it on fake tensors and give inductor the very strides the launch makes."""
-    ref = None if reduces else next((t for t in elems if tuple(t.shape) == tuple(shape)), None)
+    i = _main(reduces, elems, shape)
+    ref = None if i is None else elems[i]
     dev = elems[0].device
     if ref is not None and ref.numel() and _dense(ref):
         return torch.empty_strided(tuple(shape), ref.stride(), dtype=dtype, device=dev)
@@ -435,7 +436,9 @@ def forward_group(
         out = rows_like(bool(k.spec.reductions), elems, g.lay.shape, k.spec.out_dtype)
         stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
         results.append((out, stats))
-        sizes, strides, views = _rows(g.lay.shape, [*elems, out], main=_main(k, g, elems))
+        sizes, strides, views = _rows(
+            g.lay.shape, [*elems, out], main=_main(bool(k.spec.reductions), elems, g.lay.shape)
+        )
         for v, st in zip(views, strides):
             gargs += _strided(v, st)
         gargs += [stats, g.lay.M if N else 0, sizes[1], sizes[2]]
@@ -575,7 +578,7 @@ def backward_group(
         if with_out:
             fwd_outs.append(rows_like(reduces, elems, g.lay.shape, k.spec.out_dtype))
             outs.append(fwd_outs[-1])
-        main = _main(k, g, elems)
+        main = _main(reduces, elems, g.lay.shape)
         sizes, strides, views = _rows(
             g.lay.shape, [grad, *elems, *outs], main=None if main is None else 1 + main
         )

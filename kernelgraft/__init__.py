@@ -7,10 +7,23 @@ derived with sympy, and check they are no less accurate than the code they repla
     audit = kernelgraft.audit(model, **batch)    # per site and parameter: as accurate as stock?
 """
 
-from . import gradcheck, kernels, patterns
+from . import gradcheck, ir, kernels, patterns
 from .gradcheck import audit
+from .options import Options
 from .patterns import Scalar, pattern
 from .rewriter import Grafter, explain, optimize
 
 __version__ = "0.1.0"
-__all__ = ["Grafter", "Scalar", "audit", "explain", "gradcheck", "kernels", "optimize", "pattern", "patterns"]
+__all__ = [
+    "Grafter",
+    "Options",
+    "Scalar",
+    "audit",
+    "explain",
+    "gradcheck",
+    "ir",
+    "kernels",
+    "optimize",
+    "pattern",
+    "patterns",
+]

@@ -12,8 +12,11 @@ from pathlib import Path
 import torch
 
 import kernelgraft
-from kernelgraft.kernels import lm_head, rowkernel
-from kernelgraft.kernels.codegen import module_source
+from kernelgraft.kernels.lm_head.kernel import kernel_name, kernel_source
+from kernelgraft.kernels.lm_head.transform import transform
+from kernelgraft.kernels.rows.build import row_kernel
+from kernelgraft.kernels.rows.codegen import module_source
+from kernelgraft.kernels.rows.layout import layout
 
 STORED = Path(__file__).with_name("data") / "kernel_digests.json"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,13 +35,13 @@ def row_sources():
             continue
         args = sp.example_args(4, 16, torch.float32)
         tensors = {n: a for n, a in zip(sp.arg_names, args) if n in sp.tensor_names}
-        kinds = rowkernel.layout(sp, tensors).kinds
+        kinds = layout(sp, tensors).kinds
         names = sp.tensor_names
         mixes = [{n: dt for n in names} for dt in DTYPES]
         mixes += [{n: (dt if i == 0 else torch.float32) for i, n in enumerate(names)} for dt in DTYPES[1:]]
         for dtypes in mixes:
             for rounding in ROUNDINGS:
-                k = rowkernel.row_kernel(sp, dtypes, kinds, rounding)
+                k = row_kernel(sp, dtypes, kinds, rounding)
                 src = module_source(k.spec, k.backward, sp.qualname)
                 key = f"{sp.qualname} {'/'.join(_name(dtypes[n]) for n in names)} {rounding}"
                 yield key, src
@@ -51,9 +54,9 @@ def lm_head_sources():
         for dt in DTYPES:
             for rounding in ROUNDINGS:
                 for device in ("cpu", "cuda"):
-                    tf = lm_head.transform(sp, dt, rounding, device)
-                    name = lm_head.kernel_name(sp, dt, rounding)
-                    yield f"{sp.qualname} {_name(dt)} {rounding} {device}", lm_head.kernel_source(name, tf, sp.qualname)
+                    tf = transform(sp, dt, rounding, device)
+                    name = kernel_name(sp, dt, rounding)
+                    yield f"{sp.qualname} {_name(dt)} {rounding} {device}", kernel_source(name, tf, sp.qualname)
 
 
 def digests() -> dict:

@@ -1,7 +1,12 @@
 """gradcheck: is a kernel at least as accurate as the code it replaces? References (float64 truth,
-eager, torch.compile) and the DESIGN.md comparison rule."""
+eager, torch.compile) and the DESIGN.md comparison rule.
 
-from . import strategies
+`kernelgraft.gradcheck.strategies` (hypothesis strategies that draw a pattern's test cases) needs the
+`test` extra, `pip install 'kernelgraft[test]'`: it is imported on first use, not with the package.
+"""
+
+from importlib import import_module as _import_module
+
 from .audit import Finding, KernelAudit, audit_kernel
 from .model_audit import Lint, ModelAudit, Row, audit
 from .references import Float64Everywhere, run_with_grads
@@ -23,5 +28,12 @@ __all__ = [
     "judge",
     "rel_error",
     "run_with_grads",
-    "strategies",
 ]
+
+
+def __getattr__(name: str):
+    """`kernelgraft.gradcheck.strategies` on first use: it imports hypothesis (the `test` extra), which
+    `import kernelgraft` must not need. Without hypothesis it raises ImportError naming the extra."""
+    if name == "strategies":
+        return _import_module(f"{__name__}.strategies")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import op_for
+from ..patterns import REGISTRY
 from .references import run_with_grads
 from .rule import judge
 
@@ -112,15 +114,11 @@ def audit_kernel(
     >>> rep.ok, sorted({f.kind for f in rep.findings})
     (False, ['missing gradient'])
     """
-    from ..patterns import REGISTRY
-
     sp = REGISTRY.get(pattern, spelling)
     label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
     rep = KernelAudit(sp.pattern, sp.name, label)
     fused = None
     if sp.kernel == "row":
-        from ..kernels import op_for
-
         fused = op_for(sp, "fused")  # the spelling rounded as inductor rounds it
     for dtype in dtypes:
         dname = str(dtype).replace("torch.", "")

@@ -28,7 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .._dynamo import fresh_entry, room_for_recompiles
+from ..kernels import op_for
+from ..options import Options
+from ..rewriter import Grafter, optimize
 from .references import Float64Everywhere
+from .render import html, markdown
 from .rule import bound, judge, rel_error
 from .spelling import compare
 
@@ -110,14 +114,10 @@ class ModelAudit:
         return max(self.rows, key=lambda r: r.ratio, default=None)
 
     def to_markdown(self) -> str:
-        from .render import markdown
-
         return markdown(self)
 
     def to_html(self, path=None) -> str:
         """A self-contained page (tables, inline SVG plots); written to `path` if given."""
-        from .render import html
-
         page = html(self)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
@@ -162,13 +162,9 @@ def audit(
     >>> rep.ok, len(rep.sites) > 0, rep.params[0].where
     (True, True, 'loss')
     """
-    from ..rewriter import optimize
-    from ..rewriter.backend import BACKENDS
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.audit: expected a torch.nn.Module, got {type(model).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"kernelgraft.audit: backend must be one of {BACKENDS}, got {backend!r}")
+    rounding = Options(backend=backend).rounding  # validates the backend
     if not reference_dtype.is_floating_point:
         raise ValueError(
             f"kernelgraft.audit: reference_dtype must be a floating dtype, got {reference_dtype}"
@@ -188,7 +184,6 @@ def audit(
         backend=backend,
         reference=str(reference_dtype).replace("torch.", ""),
     )
-    rounding = "fused" if backend == "inductor" else "autograd"
     bar = _bars(progress)
 
     # 1. sites, on the arguments they really receive
@@ -314,15 +309,13 @@ def _param_rows(grads) -> list[Row]:
 
 def _probe(model, args, kwargs, patterns):
     """Run a stock copy once with a probe at every servable site -> [(record, spelling, values)]."""
-    from ..rewriter.backend import Grafter
-
     seen = []
 
     def probe(rec, sp, values):
         seen.append((rec, sp, tuple(_keep(v) for v in values)))
 
     m = _copy(model, None)
-    grafter = Grafter("eager", patterns, dry_run=True, options=dict(probe=probe, assume_training=True))
+    grafter = Grafter("eager", patterns, dry_run=True, probe=probe, training=True)
     with torch.enable_grad(), room_for_recompiles():
         torch.compile(fresh_entry("audit"), backend=grafter)(m, *args, **kwargs)
     if grafter.report.graphs == 0:
@@ -342,8 +335,6 @@ def _keep(v):
 
 
 def _site_rows(i, rec, sp, values, rounding, compile_reference, seed) -> list[Row]:
-    from ..kernels import op_for
-
     shapes = ", ".join(f"{k}{list(v)}" for k, v in rec.shapes.items())
     dtypes = ",".join(sorted(set(rec.dtypes.values())))
     base = dict(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._dynamo import room_for_recompiles
+from ..kernels import op_for
 from .references import run_with_grads
 from .rule import Verdict, judge
 
@@ -30,8 +31,6 @@ def check_spelling(
     >>> all(v.ok for v in check_spelling(sp, (x, w, 1e-6), compile_ref=False))
     True
     """
-    from ..kernels import op_for
-
     op = op if op is not None else op_for(spelling, rounding)
     return [judge(what, *r) for what, *r in compare(spelling, args, op, grad_out, compile_ref, seed)]
 

@@ -5,6 +5,8 @@ and values (gaussian, outliers scaled to +-100, constant rows). `cases(spelling)
 argument tuples from the pattern's own `example`, so a contributor's pattern is checked like the
 built-ins as soon as it is declared.
 
+Needs hypothesis, from the `test` extra: `pip install 'kernelgraft[test]'`.
+
 >>> from hypothesis import given, settings
 >>> import kernelgraft
 >>> from kernelgraft.gradcheck import strategies
@@ -21,7 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError as e:  # the one module of kernelgraft that needs it: imported on demand only
+    raise ImportError(
+        f"kernelgraft.gradcheck.strategies draws test cases with hypothesis, which is not installed "
+        f"({e}): pip install 'kernelgraft[test]'"
+    ) from e
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VALUES = ("gaussian", "outliers", "constant_rows")

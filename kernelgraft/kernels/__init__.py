@@ -1,17 +1,23 @@
-"""Kernel generator: traced pattern -> sympy spec -> derived backward -> Triton source -> custom op."""
+"""Kernels: a spelling's math -> Triton, behind one interface per kernel family (family.py).
+
+Families today: "row" (rows/: element-wise math and row reductions, generated from the spelling by
+the sympy generator in spec.py and derive.py) and "lm_head_ce" (lm_head/: linear + cross-entropy,
+chunked, its logit transform generated). They share the op naming and caching (family.py), the
+fallback to the spelling's own code (fallback.py) and the on-disk source cache (cache.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from . import lm_head, ops
+from ..patterns import REGISTRY
+from . import lm_head, rows
 from .cache import cache_dir
-from .rowkernel import MAX_N, MAX_ROWS, layout, row_kernel
-from .spec import Unsupported
+from .fallback import FAILED
+from .family import FAMILIES, Family, KernelSource, Unsupported, family_of
+from .rows import MAX_N, MAX_ROWS, row_kernel
 
-KERNELS = ("row", "lm_head_ce")  # the kernel families a spelling can name
+KERNELS = tuple(FAMILIES)  # the kernel families a spelling can name
 
 
 def op_for(spelling, rounding: str = "autograd", recompute: bool = False):
@@ -27,15 +33,14 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False):
     >>> torch.allclose(op(gate, up), sp.fn(gate, up), rtol=1e-6, atol=1e-7)
     True
     """
-    if spelling.kernel == "lm_head_ce":
-        return lm_head.op_for(spelling, rounding)
-    if spelling.kernel != "row":
-        raise ValueError(f"{spelling.qualname}: unknown kernel family {spelling.kernel!r}; known: {KERNELS}")
-    return ops.op_for(spelling, rounding, recompute)
+    return family_of(spelling).op(spelling, rounding, recompute)
 
 
-def refusal(spelling, metas: dict, rounding: str = "autograd", options: dict | None = None) -> str | None:
-    """Why the kernels cannot serve a site with these argument metas (None: they can).
+def refusal(
+    spelling, metas: dict, rounding: str = "autograd", options=None, training: bool = True
+) -> str | None:
+    """Why the kernels cannot serve a site with these argument metas (None: they can). training:
+    the site runs with gradients (the LM head is fused only then).
 
     >>> import torch, kernelgraft
     >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
@@ -44,37 +49,7 @@ def refusal(spelling, metas: dict, rounding: str = "autograd", options: dict | N
     >>> kernelgraft.kernels.refusal(sp, {"x": torch.empty(2, 64), "weight": torch.empty(64)}) is None
     True
     """
-    if spelling.kernel == "lm_head_ce":
-        return lm_head.refusal(spelling, metas, rounding, options or {})
-    first = metas[spelling.tensor_names[0]]
-    N = first.shape[-1] if first.dim() else 1
-    if isinstance(N, int) and N > MAX_N:
-        return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
-    try:
-        lay = layout(spelling, metas)
-        if isinstance(lay.M, int) and lay.M > MAX_ROWS:
-            return f"{lay.M} rows; generated kernels index at most {MAX_ROWS} rows in one tensor"
-        row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
-    except (Unsupported, ValueError) as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong
-        return f"kernel generation failed: {type(e).__name__}: {e}"
-    return None
-
-
-@dataclass
-class KernelSource:
-    """The generated forward and backward Triton source of one spelling at one specialization."""
-
-    pattern: str
-    spelling: str
-    forward: str
-    backward: str
-    path: str
-    gradients: dict  # argument -> its derived gradient (sympy, in the spec's symbols; g: the incoming one)
-
-    def __str__(self) -> str:
-        return f"# {self.pattern}.{self.spelling} ({self.path})\n{self.forward}\n\n{self.backward}"
+    return family_of(spelling).refusal(spelling, metas, rounding, options, training)
 
 
 def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch.float32) -> KernelSource:
@@ -88,17 +63,8 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     >>> sorted(src.gradients)  # derived with sympy: one expression per tensor argument
     ['weight', 'x']
     """
-    from ..patterns import REGISTRY
-    from .codegen import backward_source, forward_source
-
     sp = REGISTRY.get(pattern, spelling)
-    names = sp.tensor_names
-    kinds = {n: ("elem" if i == 0 else "col") for i, n in enumerate(names)}
-    k = row_kernel(sp, {n: dtype for n in names}, kinds)
-    grads = {t.removeprefix("v_"): str(k.backward.grads[t]) for t in k.spec.tensors}
-    return KernelSource(
-        sp.pattern, sp.name, forward_source(k.spec), backward_source(k.spec, k.backward), str(k.path), grads
-    )
+    return family_of(sp).source(sp, dtype)
 
 
 def failed_kernels() -> dict:
@@ -109,19 +75,24 @@ def failed_kernels() -> dict:
     >>> isinstance(kernelgraft.kernels.failed_kernels(), dict)
     True
     """
-    from .rowkernel import FAILED
-
     return dict(FAILED)
 
 
 __all__ = [
+    "FAMILIES",
     "KERNELS",
+    "MAX_N",
+    "MAX_ROWS",
+    "Family",
     "KernelSource",
     "Unsupported",
     "cache_dir",
     "failed_kernels",
+    "family_of",
+    "lm_head",
     "op_for",
     "refusal",
     "row_kernel",
+    "rows",
     "source",
 ]

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import sympy
 
+from ..ir import PRIMITIVES, Local
+from ..ir.sym import round_to, stabilize
 from .spec import LOW, SGN, Spec, permuted
-from .sym import Sech2, round_to, stabilize
 
 
 @dataclass
@@ -44,28 +45,16 @@ def _permute(e, spec: Spec):
 
 
 def _local_derivatives(n, device: str = "cpu") -> list:
-    """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1).
-    device: whose eager kernels' rounding to reproduce where they differ (tanh, below)."""
+    """d(n)/d(input_i), as expressions in the inputs' values (the rounding of n itself has d = 1):
+    the primitive's own rule where it has one (ir/primitives.py: PyTorch differentiates tanh,
+    sigmoid and exp from their saved output), else sympy.diff of its forward. device: whose eager
+    kernels' rounding to reproduce where they differ (tanh's backward in bf16/fp16)."""
     if n.reduce is not None:
         return [None]  # handled as the adjoint of a sum
-    # PyTorch differentiates these from their saved output y, not the input: where y is held in
-    # bf16/fp16 the kernel does the same (it rounds where the reference rounds); in float32 tanh's
-    # derivative is taken without the 1 - y^2 cancellation (more accurate where it saturates)
-    y = n.value
-    if n.op == "tanh":
-        if n.dtype not in LOW:
-            return [Sech2(n.inputs[0].value)]
-        if device == "cuda":
-            # CUDA's tanh_backward for bf16/fp16 is `a * (scalar_t{1.} - b * b)` in c10's 2-byte
-            # arithmetic: y*y and 1 - y*y are each rounded to the dtype (the CPU's vectorized kernel
-            # computes in float32 and rounds once). Found by the H200 thorough profile (softcap).
-            low = LOW[n.dtype]
-            return [round_to(1 - round_to(y**2, low), low)]
-        return [1 - y**2]
-    if n.op == "sigmoid":
-        return [y * (1 - y)]
-    if n.op == "exp":
-        return [y]
+    prim = PRIMITIVES.get(n.op)  # None for a cast (identity)
+    if prim is not None and prim.derivative is not None:
+        low = LOW.get(n.dtype)
+        return prim.derivative(Local(tuple(i.value for i in n.inputs), n.value, low, device))
     us = [sympy.Dummy(f"u{i}") for i in range(len(n.inputs))]
     f = n.local(*us)
     subs = {u: i.value for u, i in zip(us, n.inputs)}

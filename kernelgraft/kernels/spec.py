@@ -13,15 +13,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from ..ir import CNode, DtypeOf
-from . import sym
+from ..ir import PRIMITIVES, CNode, DtypeOf
+from ..ir.sym import round_to
+from .family import Unsupported
 
 LOW = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SERVED = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class Unsupported(Exception):
-    """The spec cannot be served by the generator (the caller falls back and reports why)."""
 
 
 @dataclass
@@ -82,35 +79,14 @@ def _promote(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None
     return torch.promote_types(a, b)
 
 
-_UNARY = {
-    "neg": lambda a: -a,
-    "square": lambda a: a**2,
-    "sqrt": lambda a: sympy.sqrt(a),
-    "rsqrt": lambda a: sym.Rsqrt(a),
-    "reciprocal": lambda a: 1 / a,
-    "exp": lambda a: sympy.exp(a),
-    "log": lambda a: sympy.log(a),
-    "tanh": lambda a: sympy.tanh(a),
-    "sigmoid": lambda a: sym.Sigmoid(a),
-    "silu": lambda a: a * sym.Sigmoid(a),
-    "relu": lambda a: sympy.Max(a, 0),
-    "erf": lambda a: sympy.erf(a),
-}
-_SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
-_GELU = {  # as torch defines them (torch.nn.functional.gelu)
-    "none": lambda a: a / 2 * (1 + sympy.erf(a / sympy.sqrt(2))),
-    # x/2 (1 + tanh z) == x sigmoid(2z): the same function without the 1 + tanh cancellation at x << 0
-    "tanh": lambda a: a * sym.Sigmoid(2 * _SQRT_2_OVER_PI * (a + sympy.Rational(44715, 1000000) * a**3)),
-}
-_BINARY = {
-    "add": lambda a, b: a + b,
-    "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
-    "div": lambda a, b: a / b,
-}
-
-
 ROUNDINGS = ("autograd", "fused")
+
+
+def _local(prim, attrs: dict):
+    """The primitive's forward with the node's options bound (gelu's approximate)."""
+    if not attrs:
+        return prim.forward
+    return lambda *xs: prim.forward(*xs, **attrs)
 
 
 def build_spec(
@@ -161,7 +137,7 @@ def build_spec(
     def rounded(e, dt, explicit=False):
         if rounding == "fused" and not explicit:
             return e
-        return sym.round_to(e, LOW.get(dt, "float32"))
+        return round_to(e, LOW.get(dt, "float32"))
 
     for n in g.nodes:
         if n.op == "input":
@@ -190,7 +166,8 @@ def build_spec(
             val[n] = SNode(SGN * permuted(x.value), x.dtype, x.level, (x,), None, name=n.name, permuted=True)
             nodes.append(val[n])
             continue
-        if n.op in ("mean", "sum"):
+        prim = PRIMITIVES.get(n.op)
+        if prim is not None and prim.kind == "reduction":
             if n.attr("dims") != (-1,) or not n.attr("keepdim"):
                 raise Unsupported(
                     f"{n.op} over dims {n.attr('dims')} keepdim={n.attr('keepdim')}: only row reductions (dim=-1, keepdim=True)"
@@ -199,21 +176,18 @@ def build_spec(
             if x.level != "elem":
                 raise Unsupported(f"{n.op} of a value that does not vary along the row")
             r = sympy.Symbol(f"r{len(reductions)}")
-            reductions.append(Reduction(r, x.value, n.op == "mean"))
+            reductions.append(Reduction(r, x.value, prim.mean))
             val[n] = node(rounded(r, x.dtype), x.dtype, "row", (x,), None, n.op, n.name)
             continue
-        if n.op in _UNARY or n.op == "gelu":
-            ins = (arg(n.args[0]),)
-            dt = ins[0].dtype
-            fn = _GELU.get(n.attr("approximate")) if n.op == "gelu" else _UNARY[n.op]
-            if fn is None:
-                raise Unsupported(f"gelu(approximate={n.attr('approximate')!r})")
-        elif n.op in _BINARY:
-            ins = (arg(n.args[0]), arg(n.args[1]))
-            dt, fn = _promote(ins[0].dtype, ins[1].dtype), _BINARY[n.op]
-        else:
+        if prim is None or prim.forward is None:
             raise Unsupported(f"op {n.op} has no element-wise kernel form")
-        val[n] = node(rounded(fn(*(i.value for i in ins)), dt), dt, level_of(ins), ins, fn, name=n.name)
+        ins = tuple(arg(a) for a in n.args)
+        dt = ins[0].dtype if prim.kind == "unary" else _promote(ins[0].dtype, ins[1].dtype)
+        fn = _local(prim, dict(n.attrs))
+        value = fn(*(i.value for i in ins))
+        if value is None:
+            raise Unsupported(f"{n.op}({', '.join(f'{k}={v!r}' for k, v in n.attrs)})")
+        val[n] = node(rounded(value, dt), dt, level_of(ins), ins, fn, name=n.name)
         val[n].op = n.op
 
     out_node = val[g.output]

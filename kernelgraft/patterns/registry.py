@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..ir import CGraph, canonicalize_pattern
+
 
 class Scalar(float):
     """Annotation for a pattern argument that is a Python number in the model (eps, a scale).
@@ -74,11 +76,9 @@ class Spelling:
         """A short hash of the spelling's canonical graph: names kernels and custom ops."""
         return hashlib.sha256(self.canonical().text().encode()).hexdigest()[:10]
 
-    def canonical(self):
+    def canonical(self) -> CGraph:
         """The spelling traced with torch.fx and canonicalized, the same way model graphs are."""
         if self._canonical is None:
-            from ..rewriter.canonicalize import canonicalize_pattern
-
             self._canonical = canonicalize_pattern(self)
         return self._canonical
 

@@ -1,4 +1,8 @@
-"""The compiler: capture (dynamo) -> canonicalize -> match -> replace -> lower."""
+"""The compiler: capture (dynamo) -> canonicalize (ir/) -> match -> replace -> lower.
+
+pipeline.py lists the passes over one graph; backend.py is the torch.compile backend that runs them
+and lowers; api.py holds optimize() and explain(); ddp.py the DistributedDataParallel graph cuts.
+"""
 
 from .api import explain, optimize
 from .backend import Grafter, register

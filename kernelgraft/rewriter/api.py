@@ -7,24 +7,27 @@ import functools
 import torch
 
 from .._dynamo import fresh_entry
-from .backend import BACKENDS, DDP_PIECE_MB, Grafter
+from ..kernels.lm_head import explain_markers
+from ..options import Options
+from .backend import Grafter
 from .report import RewriteReport
 
 
 def optimize(
     model: torch.nn.Module,
-    backend: str = "inductor",
+    backend: str = Options.backend,
     patterns=None,
     *,
     dynamic: bool | None = None,
-    keep_logits: bool = False,
-    lm_head_chunk: int | None = None,
-    lm_head_accumulate: str = "fp32",
-    causal_attention: bool = True,
-    recompute: bool | str = True,
-    ddp_piece_mb: float | None = DDP_PIECE_MB,
+    keep_logits: bool = Options.keep_logits,
+    lm_head_chunk: int | None = Options.lm_head_chunk,
+    lm_head_accumulate: str = Options.lm_head_accumulate,
+    causal_attention: bool = Options.causal_attention,
+    recompute: bool | str = Options.recompute,
+    ddp_piece_mb: float | None = Options.ddp_piece_mb,
 ):
-    """Compile `model` in place with the kernelgraft backend and return the same object.
+    """Compile `model` in place with the kernelgraft backend and return the same object. The
+    options are kernelgraft.Options' (validated there, with their defaults).
 
     State-dict keys, `save_pretrained`/`from_pretrained`, peft and Trainer keep working; other
     models in the process are untouched. The report of what each capture replaced accumulates in
@@ -41,11 +44,11 @@ def optimize(
     dtype: half the memory, less accurate). `causal_attention` (default on): an attention call
     whose mask the graph proves to be the causal mask runs with `is_causal=True` instead
     (transformers 5.17 and earlier build that mask whenever they are compiled; see
-    kernelgraft/rewriter/attention.py). `recompute` (default on; inductor backend): the outputs of
+    the rewriter's attention.py). `recompute` (default on; inductor backend): the outputs of
     the gated MLP and RMSNorm kernels are made again in the backward from the inputs their own
     backward keeps, instead of being saved for the matmuls that read them (at the Llama-3.2-1B
     step: 16384 x 8192 bf16 per MLP, 16 of them: 4 GiB). The site's backward kernel makes the
-    output in the pass it makes the gradients in (kernelgraft/rewriter/recompute.py);
+    output in the pass it makes the gradients in (the rewriter's recompute.py);
     `recompute="separate"` runs the forward kernel again instead (one more read of the inputs per
     site; kept for comparison). A site whose output nothing in the graph reads (it only leaves the
     graph) is not recomputed. `ddp_piece_mb` (under DistributedDataParallel): dynamo cuts the
@@ -61,36 +64,16 @@ def optimize(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.optimize: expected a torch.nn.Module, got {type(model).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"kernelgraft.optimize: backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(recompute, bool) and recompute != "separate":
-        raise ValueError(
-            f"kernelgraft.optimize: recompute must be True, False or 'separate', got {recompute!r}"
-        )
-    if ddp_piece_mb is not None and (
-        isinstance(ddp_piece_mb, bool) or not isinstance(ddp_piece_mb, (int, float)) or not ddp_piece_mb > 0
-    ):
-        raise ValueError(
-            f"kernelgraft.optimize: ddp_piece_mb must be a positive size in MiB or None (DDP's own "
-            f"buckets), got {ddp_piece_mb!r}"
-        )
-    options = dict(
-        ddp_piece_mb=ddp_piece_mb,
+    options = Options(
+        backend=backend,
         keep_logits=keep_logits,
         lm_head_chunk=lm_head_chunk,
         lm_head_accumulate=lm_head_accumulate,
         causal_attention=bool(causal_attention),
         recompute=recompute,
+        ddp_piece_mb=ddp_piece_mb,
     )
-    if lm_head_accumulate not in ("fp32", "weight"):
-        raise ValueError(
-            f"kernelgraft.optimize: lm_head_accumulate must be 'fp32' or 'weight', got {lm_head_accumulate!r}"
-        )
-    if lm_head_chunk is not None and (not isinstance(lm_head_chunk, int) or lm_head_chunk < 1):
-        raise ValueError(
-            f"kernelgraft.optimize: lm_head_chunk must be a positive number of tokens, got {lm_head_chunk!r}"
-        )
-    grafter = Grafter(backend, patterns, options=options)
+    grafter = Grafter(patterns=patterns, options=options)
     # what Module.compile does, through an entry function of this model's own (see fresh_entry)
     compiled = torch.compile(
         fresh_entry(f"{type(model).__name__}@{id(model):x}"), backend=grafter, dynamic=dynamic
@@ -100,72 +83,14 @@ def optimize(
     return model
 
 
-WITHHELD_MESSAGE = (
-    "kernelgraft fused the LM head with the loss, so these logits were never computed (that is the "
-    "memory saving). To get logits: call the model without labels, or under torch.no_grad(), or "
-    "optimize(model, keep_logits=True)."
-)
-
-
-# What wrappers read from every tensor a model returns without using its values: DDP (with
-# find_unused_parameters, as Hugging Face's Trainer sets it) reads each output's grad_fn and passes
-# the outputs through an autograd function that clones them.
-_INSPECTED = tuple(
-    getattr(torch.Tensor, a).__get__ for a in ("grad_fn", "requires_grad", "is_leaf", "device")
-)
-_PASSED_ON = (torch.Tensor.clone, torch.Tensor.detach)
-
-
-class WithheldLogits(torch.Tensor):
-    """Stands where a training forward would have returned logits that the fused LM head never made:
-    any use of their values raises an error that says how to get them. Autograd metadata can be
-    read, and a clone or detach gives another marker (what DDP does to a model's outputs)."""
-
-    @staticmethod
-    def __new__(cls):
-        return torch.Tensor._make_subclass(cls, torch.empty(0), False)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _INSPECTED:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if func in _PASSED_ON:
-            return WithheldLogits()
-        raise RuntimeError(WITHHELD_MESSAGE)
-
-    def __repr__(self) -> str:
-        return f"WithheldLogits({WITHHELD_MESSAGE})"
-
-    __str__ = __repr__
-
-
-def _withheld(v) -> bool:
-    return (
-        isinstance(v, torch.Tensor) and not isinstance(v, WithheldLogits) and v.dim() == 1 and v.numel() == 0
-    )
-
-
 def _call(compiled, model, *args, **kwargs):
     # floats the model reads (a norm's eps, a logit scale) stay numbers in the captured graph: with
     # dynamic=True dynamo would make them inputs, and the patterns that take them as a Scalar
     # (RMSNorm's eps) would no longer match. A float that changes between calls recompiles instead.
     with torch._dynamo.config.patch(specialize_float=True):
         out = compiled(model, *args, **kwargs)
-    # the marker first (two type checks per call); the report only confirms what it is
-    if isinstance(out, dict) and _withheld(out.get("logits")):  # ModelOutput is a dict
-        if _withholds(model):
-            out["logits"] = WithheldLogits()
-    elif (
-        isinstance(out, tuple) and len(out) > 1 and _withheld(out[1])
-    ):  # return_dict=False: (loss, logits, ...)
-        if _withholds(model):
-            out = (out[0], WithheldLogits(), *out[2:])
-    return out
-
-
-def _withholds(model) -> bool:
-    return any(s.withheld for s in model.kernelgraft_report.sites)
+    # logits the fused LM head never made: the report confirms that this model withholds them
+    return explain_markers(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
 
 
 def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteReport:
@@ -188,7 +113,7 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
     # explain shows what a training step would get (the LM head fused) though it captures under no_grad
-    grafter = Grafter("eager", patterns, dry_run=True, options=dict(assume_training=True))
+    grafter = Grafter("eager", patterns, dry_run=True, training=True)
     with torch.no_grad():
         torch.compile(fresh_entry("explain"), backend=grafter)(model, *args, **kwargs)
     if grafter.report.graphs == 0:

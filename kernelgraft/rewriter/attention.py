@@ -45,7 +45,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .report import SiteRecord
+from .report import SiteRecord, module_path
 
 PATTERN = "sdpa"
 SPELLING = "causal_mask"
@@ -72,12 +72,6 @@ def has_input_masks(gm: torch.fx.GraphModule) -> bool:
             if not isinstance(found, str) and found[1]:
                 return True
     return False
-
-
-def static_only(options: dict) -> dict:
-    """options with masks proven on the graph only (no run-time checks): for graphs the checks
-    cannot wrap (DDP's before its cut, checkpointed regions, the fallback of a failed check)."""
-    return {**options, "causal_attention": "static" if options.get("causal_attention", True) else False}
 
 
 def _arg(n: torch.fx.Node, name: str, default=None):
@@ -343,8 +337,6 @@ def _grouped_kv(n: torch.fx.Node) -> tuple | None:
 
 
 def _record(n: torch.fx.Node, q, k, m, spelling: str = SPELLING) -> SiteRecord:
-    from .match import module_path
-
     module = module_path(n)
     shapes = {"query": q or (), "key": k or ()}
     if isinstance(m, torch.Tensor):

@@ -1,4 +1,4 @@
-"""Step 2 of 4: match. Each spelling's canonical graph against the model's canonical graph.
+"""Match: each spelling's canonical graph against the model's canonical graph.
 
 Commutative ops (add, mul) match in either operand order; `Scalar` arguments bind to the number the
 model graph holds (so eps is captured, never burned in); dtype casts must agree, `x.dtype` in the
@@ -8,14 +8,16 @@ point where it got furthest: that is what a near-miss reports.
 
 from __future__ import annotations
 
-import re
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from ..ir import CGraph, CNode, DtypeOf
-from .canonicalize import COMMUTATIVE
+from ..ir import PRIMITIVES, CGraph, CNode, DtypeOf
+from .report import NearMiss, module_path
+
+COMMUTATIVE = frozenset(n for n, p in PRIMITIVES.by_name.items() if p.commutative)
 
 
 @dataclass
@@ -252,15 +254,50 @@ def resemble(p, m, memo: dict) -> tuple[int, tuple | None]:
     return memo[key]
 
 
-_PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
+# ops any code has: a near miss must line up, or differ, at something more telling
+_GENERIC = frozenset({p.name for p in PRIMITIVES.by_name.values() if p.generic} | {"cast", "input"})
 
 
-def module_path(fx_node) -> str:
-    """'model.layers.0.input_layernorm' for a node dynamo traced inside that module."""
-    stack = fx_node.meta.get("nn_module_stack") if fx_node is not None else None
-    if not stack:
-        return "<top>"
-    path = list(stack.values())[-1][0]
-    path = _PREFIX.sub("", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
-    return path.strip(".") or "<top>"
+def _fed_by_bound_input(first, tensors: dict, depth: int = 4) -> bool:
+    """The model node where the pattern differs computes from the tensor the rest of the match bound
+    to the same pattern argument (the other spelling of rotate_half(q) reads q): not unrelated code."""
+    p, m = first
+    names = set()
+    stack = [p]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, CNode):
+            if n.op == "input":
+                names.add(n.attr("name"))
+            stack.extend(n.inputs())
+    bound = {tensors[n].fx for n in names if n in tensors and tensors[n].fx is not None}
+    frontier = [m.fx] if isinstance(m, CNode) and m.fx is not None else []
+    for _ in range(depth):
+        if bound & set(frontier):
+            return True
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+    return bool(bound & set(frontier))
+
+
+def near_miss(sp, n_ops: int, anchor, f: Failure) -> NearMiss | None:
+    """A failed attempt worth reporting: at least half the pattern lines up, and what lines up, or
+    where it differs, is an op that says something (a reduction, rsqrt, rotate_half, an activation),
+    not only multiplies and casts that any code has."""
+    pg = sp.canonical()
+    score, first = resemble(pg.output, anchor, {})
+    if f.matched >= score:  # the matcher got as far: its reason is the more precise one
+        score, first, reason = f.matched, (f.pnode, f.mnode), f.reason
+    else:
+        reason = f"expected {describe(first[0])}, got {describe(first[1])}" if first else f.reason
+    generic = sum(1 for n in pg.nodes if n.op in _GENERIC and n.op != "input")
+    differs_at_distinctive = (
+        first is not None
+        and isinstance(first[0], CNode)
+        and first[0].op not in _GENERIC
+        and _fed_by_bound_input(first, f.tensors)
+    )
+    if score < max(2, math.ceil(n_ops / 2)) or not (score > generic or differs_at_distinctive):
+        return None
+    expected = describe(first[0]) if first and first[0] is not None else ""
+    found = describe(first[1]) if first else ""
+    return NearMiss(sp.pattern, sp.name, module_path(anchor.fx), score, n_ops, expected, found, reason)

@@ -1,6 +1,6 @@
 """A recomputed output made by its site's backward kernel (lower stage, inductor's post-grad graphs).
 
-With recompute on (replace._rewrite tags the sites), AOT autograd's partitioner puts the forward
+With recompute on (replace.rewrite tags the sites), AOT autograd's partitioner puts the forward
 kernel call again into the backward graph, for the matmuls that read its output (their weight
 gradients), next to the site's backward kernel, which reads the same arguments:
 
@@ -24,14 +24,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..kernels import ops
+from ..kernels import FAMILIES
+from ..kernels.rows import ops
 
 
 def _sites() -> tuple[dict, dict]:
     """The recomputed ops defined so far: {forward overload: op}, {backward overload: op}."""
     fwd, bwd = {}, {}
-    for op in list(ops._OPS.values()):
-        if op.bwd_out is not None:
+    for family in FAMILIES.values():
+        for op in family.recomputed_ops():
             fwd[op.fwd] = op
             bwd[op.bwd] = op
     return fwd, bwd

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
+
+_PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
+
+
+def module_path(fx_node) -> str:
+    """'model.layers.0.input_layernorm' for a node dynamo traced inside that module."""
+    stack = fx_node.meta.get("nn_module_stack") if fx_node is not None else None
+    if not stack:
+        return "<top>"
+    path = list(stack.values())[-1][0]
+    path = _PREFIX.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
+    return path.strip(".") or "<top>"
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""The sympy side: primitives with their derivatives beside them, stabilizing rewrites, and the
-printer that turns an expression into Triton.
+"""The sympy side of the IR: functions with their derivative and their Triton spelling side by side,
+stabilizing rewrites, and the printer that turns an expression into Triton.
 
 Primitives are sympy Functions rather than sympy's own spellings so that the derivative keeps the
 stable form: rsqrt' stays a power of rsqrt, sigmoid' stays s*(1-s) (sympy's naive silu' overflows to
 NaN at x=-100 in float32), and a cast's derivative is the identity (autograd passes the gradient
-through `.to()`).
+through `.to()`). Each function carries `triton` (a template of its arguments, `{0}`...) and `value`
+(the same function in sympy's own terms, for exact constant folding); `function()` makes a new one
+from those, which is how a primitive of the table (ir/primitives.py) brings its own.
 """
 
 from __future__ import annotations
@@ -12,26 +14,83 @@ from __future__ import annotations
 import sympy
 from sympy.printing.str import StrPrinter
 
+# sympy function name -> Triton template of its printed arguments ({0}, {1}...): filled by the
+# functions below, and by the primitives of the table for sympy's own functions (exp, tanh...)
+TRITON: dict[str, str] = {}
 
-class Rsqrt(sympy.Function):
+
+class KFunction(sympy.Function):
+    """A sympy function kernelgraft prints and differentiates itself (see the subclasses)."""
+
+    triton = ""  # Triton template, {0} the printed argument
+
+    @classmethod
+    def value(cls, x):
+        """The function in sympy's own terms, for evaluating constants exactly."""
+        raise NotImplementedError
+
+
+def function(name: str, *, diff, triton: str, value) -> type[KFunction]:
+    """A new one-argument sympy function: `diff(x)` its derivative, `triton` its Triton template,
+    `value(x)` its definition in sympy's terms.
+
+    >>> import sympy
+    >>> Softplus = function("Softplus", diff=lambda x: 1 / (1 + sympy.exp(-x)),
+    ...                     triton="tl.log(1.0 + tl.exp({0}))", value=lambda x: sympy.log(1 + sympy.exp(x)))
+    >>> x = sympy.Symbol("x")
+    >>> sympy.diff(Softplus(x), x), to_triton(Softplus(x))
+    (1/(1 + exp(-x)), 'tl.log(1.0 + tl.exp(x))')
+    """
+
+    def fdiff(self, argindex=1):
+        return diff(self.args[0])
+
+    cls = type(name, (KFunction,), {"fdiff": fdiff, "triton": triton, "value": classmethod(lambda c, x: value(x))})
+    TRITON[name] = triton
+    return cls
+
+
+class Rsqrt(KFunction):
     """1/sqrt(x).   d/dx = -rsqrt(x)^3 / 2"""
+
+    triton = "tl.rsqrt({0})"
 
     def fdiff(self, argindex=1):
         return -(Rsqrt(self.args[0]) ** 3) / 2
 
+    @classmethod
+    def value(cls, x):
+        return 1 / sympy.sqrt(x)
 
-class Sigmoid(sympy.Function):
+
+class Sigmoid(KFunction):
     """1/(1+exp(-x)).   d/dx = s(x) s(-x): finite for every x, and no 1 - s cancellation"""
+
+    triton = "(1.0 / (1.0 + tl.exp(-({0}))))"  # 1/(1+inf) = 0: finite
 
     def fdiff(self, argindex=1):
         return Sigmoid(self.args[0]) * Sigmoid(-self.args[0])
 
+    @classmethod
+    def value(cls, x):
+        return 1 / (1 + sympy.exp(-x))
 
-class Sech2(sympy.Function):
+
+class Sech2(KFunction):
     """1 - tanh(x)^2 = 4w / (1 + w)^2 with w = exp(-2|x|): no cancellation where tanh saturates."""
+
+    triton = "_sech2({0})"  # the generated module's helper
 
     def fdiff(self, argindex=1):
         return -2 * sympy.tanh(self.args[0]) * Sech2(self.args[0])
+
+    @classmethod
+    def value(cls, x):
+        return 1 - sympy.tanh(x) ** 2
+
+
+for _f in (Rsqrt, Sigmoid, Sech2):
+    TRITON[_f.__name__] = _f.triton
 
 
 class _Round(sympy.Function):
@@ -88,7 +147,17 @@ def stabilize(expr):
 
 
 class TritonPrinter(StrPrinter):
-    """sympy -> Triton expressions on float32 blocks. No tensor __pow__: integer powers multiply."""
+    """sympy -> Triton expressions on float32 blocks. No tensor __pow__: integer powers multiply.
+    Functions print from their TRITON template; numbers, powers and the structural pieces here."""
+
+    def _print(self, expr, **kwargs):
+        template = TRITON.get(type(expr).__name__) if isinstance(expr, sympy.Function) else None
+        if template is not None:
+            return template.format(*(self._print(a) for a in expr.args))
+        return super()._print(expr, **kwargs)
+
+    def _print_Function(self, f):
+        raise NotImplementedError(f"kernelgraft: no Triton spelling for the function {type(f).__name__}")
 
     def _print_Symbol(self, s):
         return s.name
@@ -127,27 +196,6 @@ class TritonPrinter(StrPrinter):
             return f"tl.rsqrt({self._print(b)})"
         raise NotImplementedError(f"kernelgraft: no Triton spelling for the power {p}")
 
-    def _print_Rsqrt(self, f):
-        return f"tl.rsqrt({self._print(f.args[0])})"
-
-    def _print_Sigmoid(self, f):
-        return f"(1.0 / (1.0 + tl.exp(-({self._print(f.args[0])}))))"  # 1/(1+inf) = 0: finite
-
-    def _print_exp(self, f):
-        return f"tl.exp({self._print(f.args[0])})"
-
-    def _print_log(self, f):
-        return f"tl.log({self._print(f.args[0])})"
-
-    def _print_tanh(self, f):  # the generated module's _tanh: accurate near 0, on CUDA and in the interpreter
-        return f"_tanh({self._print(f.args[0])})"
-
-    def _print_Sech2(self, f):
-        return f"_sech2({self._print(f.args[0])})"
-
-    def _print_erf(self, f):
-        return f"tl.erf({self._print(f.args[0])})"
-
     def _print_Max(self, f):
         a, b = f.args[0], sympy.Max(*f.args[1:]) if len(f.args) > 2 else f.args[1]
         return f"tl.maximum({self._print(a)}, {self._print(b)})"
@@ -166,8 +214,8 @@ def _value(e) -> float | None:
     """A constant expression's value, computed in 40 digits (None if it is not a real number)."""
     if e.has(_Round):
         return None
-    e = e.replace(Rsqrt, lambda a: 1 / sympy.sqrt(a)).replace(Sigmoid, lambda a: 1 / (1 + sympy.exp(-a)))
-    e = e.replace(Sech2, lambda a: 1 - sympy.tanh(a) ** 2)
+    for f in {type(a) for a in sympy.preorder_traversal(e) if isinstance(a, KFunction)}:
+        e = e.replace(f, f.value)
     v = e.evalf(40)
     return float(v) if v.is_real and v.is_Float else None
 

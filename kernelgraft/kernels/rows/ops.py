@@ -6,18 +6,16 @@ shapes, and inductor schedules around them.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
-from . import rowkernel
-from .spec import build_spec
+from ..family import cached_op, define, op_name, schema_args
+from ..spec import build_spec
+from . import launch
+from .layout import layout, rows_like, split_args
 
-_OPS: dict[str, GraftedOp] = {}
-# In every op name: inductor's on-disk caches key compiled graphs by op name, so a change to what an
-# op returns (shapes, strides of the fake implementation) must change the name. Bump it then.
-ABI = 3
+ABI = 3  # in every op name (family.op_name): bump it when what an op returns changes
 
 
 @dataclass
@@ -31,14 +29,10 @@ class GraftedOp:
     def __call__(self, *args):
         return self.fwd(*args)[0]
 
-    def bind(self, args: dict, metas: dict, options: dict) -> tuple:
+    def bind(self, args: dict, metas: dict, options) -> tuple:
         """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
         sp = self.spelling
         return tuple(float(args[a]) if a in sp.scalar_names else args[a] for a in sp.arg_names)
-
-
-def _schema_args(sp) -> str:
-    return ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in sp.arg_names)
 
 
 def _saved_args(ctx, n: int, tensor_idx: list, scalar_idx: list, tensors) -> tuple[list, list[bool]]:
@@ -58,18 +52,10 @@ def _input_grads(n: int, tensor_idx: list, grads, needs) -> tuple:
     return tuple(out)
 
 
-def _define(name: str, impl, fake, schema: str):
-    """kernelgraft::<name>, functional, from its implementation, fake implementation and schema ->
-    (its CustomOpDef, for an autograd registration; its default OpOverload, to call)."""
-    op = torch.library.custom_op(f"kernelgraft::{name}", impl, mutates_args=(), schema=schema)
-    op.register_fake(fake)
-    return op, getattr(torch.ops.kernelgraft, name).default
-
-
 def _faked(sp, args, rounding):
     """(tensors by name, layout, spec, the per-element tensors) of a call, for the fakes."""
-    tensors, _ = rowkernel.split_args(sp, args)
-    lay = rowkernel.layout(sp, tensors)
+    tensors, _ = split_args(sp, args)
+    lay = layout(sp, tensors)
     spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
     return tensors, lay, spec, [t for n, t in tensors.items() if lay.kinds[n] == "elem"]
 
@@ -79,20 +65,20 @@ def _fake(sp, args, rounding):
     tensors, lay, spec, elems = _faked(sp, args, rounding)
     dev = next(iter(tensors.values())).device
     K = max(len(spec.reductions), 1)
-    out = rowkernel.rows_like(bool(spec.reductions), elems, lay.shape, spec.out_dtype)
+    out = rows_like(bool(spec.reductions), elems, lay.shape, spec.out_dtype)
     return out, torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
 
 
 def _grad_fakes(sp, args, needs, rounding) -> list:
     """The gradients of a call's tensor arguments as the launch makes them (empty where not needed):
-    a full-size per-element one laid out by rowkernel.rows_like, any other contiguous."""
+    a full-size per-element one laid out by rows_like, any other contiguous."""
     tensors, lay, spec, elems = _faked(sp, args, rounding)
     out = []
     for (n, t), need in zip(tensors.items(), needs):
         if not need:
             out.append(t.new_empty(0))
         elif lay.kinds[n] == "elem" and tuple(t.shape) == tuple(lay.shape):
-            out.append(rowkernel.rows_like(bool(spec.reductions), elems, lay.shape, t.dtype))
+            out.append(rows_like(bool(spec.reductions), elems, lay.shape, t.dtype))
         else:
             out.append(t.new_empty(t.shape))
     return out
@@ -103,31 +89,32 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
     eager PyTorch (the eager backend), 'fused' like inductor's fused kernels (the inductor backend).
     recompute: another name for the same op, for sites tagged to be recomputed in the backward."""
     suffix = ("" if rounding == "autograd" else f"__{rounding}") + ("__rc" if recompute else "")
-    name = re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}{suffix}_abi{ABI}")
-    if name in _OPS:
-        return _OPS[name]
-    sp = spelling
+    name = op_name(spelling, suffix, ABI)
+    return cached_op(name, lambda: _single(spelling, name, rounding, recompute))
+
+
+def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
     n_args = len(sp.arg_names)
     tensor_idx = [i for i, a in enumerate(sp.arg_names) if a not in sp.scalar_names]
     scalar_idx = [i for i, a in enumerate(sp.arg_names) if a in sp.scalar_names]
 
     def fwd_impl(*args):
-        return rowkernel.forward(sp, args, rounding)
+        return launch.forward(sp, args, rounding)
 
     def fwd_fake(*args):
         return _fake(sp, args, rounding)
 
     def bwd_impl(grad, *rest):
         *args, stats, needs = rest
-        return rowkernel.backward(sp, grad, tuple(args), stats, list(needs), rounding)
+        return launch.backward(sp, grad, tuple(args), stats, list(needs), rounding)
 
     def bwd_fake(grad, *rest):
         *args, stats, needs = rest
         return _grad_fakes(sp, args, needs, rounding)
 
-    fwd, fwd_op = _define(name, fwd_impl, fwd_fake, f"({_schema_args(sp)}) -> (Tensor, Tensor)")
-    bwd_schema = f"(Tensor grad, {_schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
-    _, bwd_op = _define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
+    fwd, fwd_op = define(name, fwd_impl, fwd_fake, f"({schema_args(sp)}) -> (Tensor, Tensor)")
+    bwd_schema = f"(Tensor grad, {schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
+    _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
     bwd_out_op = _bwd_out_op(sp, name, rounding, bwd_fake) if recompute else None
 
     def setup_context(ctx, inputs, output):
@@ -143,27 +130,25 @@ def op_for(spelling, rounding: str = "autograd", recompute: bool = False) -> Gra
         return _input_grads(n_args, tensor_idx, bwd_op(grad, *args, stats, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    op = GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op)
-    _OPS[name] = op
-    return op
+    return GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op)
 
 
 def _bwd_out_op(sp, name: str, rounding: str, bwd_fake):
     """kernelgraft::<name>_bwdo(grad, args..., needs) -> [gradients..., output]: the backward of a
-    site whose output is recomputed, making that output in the same pass (rowkernel.backward_with_out).
-    Not called by autograd: the backward graph's pass (rewriter/recompute.py) puts it where the
+    site whose output is recomputed, making that output in the same pass (launch.backward_with_out).
+    Not called by autograd: the rewriter's pass over the backward graph puts it where the
     recomputed forward and the backward read the same arguments."""
 
     def impl(grad, *rest):
         *args, needs = rest
-        return rowkernel.backward_with_out(sp, grad, tuple(args), list(needs), rounding)
+        return launch.backward_with_out(sp, grad, tuple(args), list(needs), rounding)
 
     def fake(grad, *rest):
         *args, needs = rest
         return [*bwd_fake(grad, *args, None, needs), _fake(sp, tuple(args), rounding)[0]]
 
-    return _define(
-        f"{name}_bwdo", impl, fake, f"(Tensor grad, {_schema_args(sp)}, bool[] needs) -> Tensor[]"
+    return define(
+        f"{name}_bwdo", impl, fake, f"(Tensor grad, {schema_args(sp)}, bool[] needs) -> Tensor[]"
     )[1]
 
 
@@ -173,11 +158,11 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
     returns (out_0, out_1, stats_0, stats_1). Per-column arguments must be the same tensor in both
     (the rewriter pairs sites only then); where at run time the two cannot share a launch, the
     launcher makes two: same numbers."""
-    single = op_for(spelling, rounding)
-    name = f"{single.name}_pair"
-    if name in _OPS:
-        return _OPS[name]
-    sp = spelling
+    name = f"{op_for(spelling, rounding).name}_pair"
+    return cached_op(name, lambda: _pair(spelling, name, rounding))
+
+
+def _pair(sp, name: str, rounding: str) -> GraftedOp:
     n_args = len(sp.arg_names)
     tensor_idx = [i for i, a in enumerate(sp.arg_names) if a not in sp.scalar_names]
     T = len(tensor_idx)
@@ -190,7 +175,7 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         return tuple(first), tuple(second)
 
     def fwd_impl(*args):
-        (o0, s0), (o1, s1) = rowkernel.forward_group(sp, list(split(args)), rounding)
+        (o0, s0), (o1, s1) = launch.forward_group(sp, list(split(args)), rounding)
         return o0, o1, s0, s1
 
     def fwd_fake(*args):
@@ -200,7 +185,7 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
 
     def bwd_impl(g0, g1, *rest):
         *args, s0, s1, needs = rest
-        r0, r1 = rowkernel.backward_group(
+        r0, r1 = launch.backward_group(
             sp, [g0, g1], list(split(args)), [s0, s1], [needs[:T], needs[T:]], rounding
         )
         return [*r0, *r1]
@@ -211,14 +196,14 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         return _grad_fakes(sp, a0, needs[:T], rounding) + _grad_fakes(sp, a1, needs[T:], rounding)
 
     second = ", ".join(f"Tensor {sp.arg_names[i]}_1" for i in tensor_idx)
-    fwd, fwd_op = _define(
-        name, fwd_impl, fwd_fake, f"({_schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)"
+    fwd, fwd_op = define(
+        name, fwd_impl, fwd_fake, f"({schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)"
     )
     bwd_schema = (
-        f"(Tensor grad_0, Tensor grad_1, {_schema_args(sp)}, {second}, Tensor stats_0, Tensor stats_1, "
+        f"(Tensor grad_0, Tensor grad_1, {schema_args(sp)}, {second}, Tensor stats_0, Tensor stats_1, "
         "bool[] needs) -> Tensor[]"
     )
-    _, bwd_op = _define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
+    _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
     scalar_idx = [i for i, a in enumerate(sp.arg_names) if a in sp.scalar_names]
     all_tensor_idx = tensor_idx + [n_args + j for j in range(T)]
 
@@ -238,6 +223,4 @@ def pair_op_for(spelling, rounding: str = "autograd") -> GraftedOp:
         return _input_grads(n_args + T, all_tensor_idx, bwd_op(g0, g1, *args, s0, s1, needs), needs)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    op = GraftedOp(sp, name, fwd_op, bwd_op)
-    _OPS[name] = op
-    return op
+    return GraftedOp(sp, name, fwd_op, bwd_op)

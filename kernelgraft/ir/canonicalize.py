@@ -1,5 +1,8 @@
-"""Step 1 of 4: canonicalize. An fx graph (a dynamo capture, or a traced pattern) -> a small DAG of
-canonical ops, so that every spelling of the same math reads the same to the matcher.
+"""Canonicalize: an fx graph (a dynamo capture, or a traced pattern) -> a small DAG of canonical
+ops, so that every spelling of the same math reads the same to the matcher. Calls of the math
+primitives are looked up in the table (primitives.py); the structural ops (casts, views, halves,
+concatenation, linear, cross_entropy) are lowered here; the rewrite rules (RULES) then bring each
+node to one spelling (x*x and x.pow(2) -> square, 1/sqrt -> rsqrt, cat(-x2, x1) -> rotate_half).
 
 The model's fx graph itself is never changed here: canonical nodes point back at the fx nodes they
 cover, and only `replace` edits the graph. Rewrites that would change rounding for code that is not
@@ -14,37 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..ir import CGraph, CNode, DtypeOf
+from .graph import CGraph, CNode, DtypeOf
+from .primitives import PRIMITIVES
 
-# canonical op -> the fx targets (functions) and method names that spell it
-SPELLINGS: dict[str, tuple] = {
-    "add": (operator.add, torch.add, "add", "__add__", "__radd__"),
-    "sub": (operator.sub, torch.sub, "sub", "__sub__"),
-    "mul": (operator.mul, torch.mul, "mul", "__mul__", "__rmul__"),
-    "div": (operator.truediv, torch.div, torch.true_divide, "div", "true_divide", "__truediv__"),
-    "neg": (operator.neg, torch.neg, "neg", "__neg__"),
-    "pow": (operator.pow, torch.pow, "pow", "__pow__"),
-    "square": (torch.square, "square"),
-    "sqrt": (torch.sqrt, "sqrt"),
-    "rsqrt": (torch.rsqrt, "rsqrt"),
-    "reciprocal": (torch.reciprocal, "reciprocal"),
-    "exp": (torch.exp, "exp"),
-    "log": (torch.log, "log"),
-    "tanh": (torch.tanh, F.tanh, "tanh"),
-    "sigmoid": (torch.sigmoid, F.sigmoid, "sigmoid"),
-    "silu": (F.silu,),
-    "relu": (torch.relu, F.relu, "relu"),
-    "gelu": (F.gelu, torch._C._nn.gelu),
-    "erf": (torch.erf, torch.special.erf, "erf"),
-    "mean": (torch.mean, "mean"),
-    "sum": (torch.sum, "sum"),
-}
-COMMUTATIVE = frozenset({"add", "mul"})
-REDUCTIONS = frozenset({"mean", "sum"})
-UNARY = frozenset(
-    {"neg", "square", "sqrt", "rsqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "silu", "relu", "erf"}
-)
-BINARY = frozenset({"add", "sub", "mul", "div", "pow"})
 _CAST_METHODS = {
     "float": torch.float32,
     "half": torch.float16,
@@ -52,11 +27,6 @@ _CAST_METHODS = {
     "double": torch.float64,
 }
 _TRANSPARENT_METHODS = frozenset({"contiguous"})
-
-_BY_TARGET: dict[Any, str] = {}
-for _op, _targets in SPELLINGS.items():
-    for _t in _targets:
-        _BY_TARGET[_t] = _op
 
 
 def _dtype_arg(args, kwargs):
@@ -202,32 +172,38 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         return b.new("cast", (args[0], dt), fx=n)
     if n.op == "call_method" and target == "type_as":
         return b.new("cast", (args[0], DtypeOf(args[1])), fx=n)
-    op = _BY_TARGET.get(target)
-    if op is None:
+    prim = PRIMITIVES.of_target(target)
+    if prim is None:
         name = getattr(target, "__name__", str(target))
         return b.new(f"opaque:{name}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
-    if op in REDUCTIONS:
+    return _lower_primitive(b, n, prim, args, kwargs)
+
+
+def _lower_primitive(b: _Builder, n: torch.fx.Node, prim, args: list, kwargs: dict) -> CNode:
+    """A call of a table primitive -> its canonical node, or an opaque one where the call's options
+    change the math in a way the canonical form does not say (a reduction to a dtype, alpha != 1)."""
+    op = prim.name
+    for key, value, opaque in prim.requires:
+        if kwargs.get(key, value) != value:
+            return b.new(f"opaque:{opaque}", tuple(args), fx=n)
+    if prim.kind == "reduction":
         x = args[0]
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         if kwargs.get("dtype") is not None or dim is None:
             return b.new(f"opaque:{op}", tuple(args), fx=n)
         return b.new(op, (x,), (("dims", _as_dims(dim, _rank(x))), ("keepdim", bool(keep))), fx=n)
-    if op == "add" or op == "sub":
-        if kwargs.get("alpha", 1) != 1:
-            return b.new(f"opaque:{op}_alpha", tuple(args), fx=n)
-        other = args[1] if len(args) > 1 else kwargs.get("other")
-        return b.new(op, (args[0], other), fx=n)
-    if op == "div" and kwargs.get("rounding_mode") is not None:
-        return b.new("opaque:div_rounding", tuple(args), fx=n)
-    if op in BINARY:
+    if prim.kind == "binary":
         other = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("exponent"))
         return b.new(op, (args[0], other), fx=n)
-    if op == "gelu":  # approximate='none' | 'tanh' is part of the spelling
-        approx = args[1] if len(args) > 1 else kwargs.get("approximate", "none")
-        return b.new("gelu", (args[0],), (("approximate", approx),), fx=n)
-    if op in UNARY and len(args) == 1 and not (set(kwargs) - {"inplace"}) and not kwargs.get("inplace"):
-        return b.new(op, (args[0],), fx=n)
+    # unary: the options that are part of the math (gelu's approximate) become attributes
+    attrs = tuple(
+        (key, args[1 + i] if len(args) > 1 + i else kwargs.get(key, default))
+        for i, (key, default) in enumerate(prim.attrs)
+    )
+    rest = set(kwargs) - {k for k, _ in prim.attrs} - {"inplace"}
+    if len(args) <= 1 + len(prim.attrs) and not rest and not kwargs.get("inplace"):
+        return b.new(op, (args[0],), attrs, fx=n)
     return b.new(f"opaque:{op}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
 
 
@@ -420,7 +396,7 @@ def canonicalize_pattern(spelling) -> CGraph:
     for n in b.nodes:
         if n.op == "cast" and isinstance(n.args[1], CNode) and n.args[1].op == "dtype_of":
             n.args = (n.args[0], DtypeOf(n.args[1].args[0]))
-        if n.op in REDUCTIONS and any(d >= 0 for d in n.attr("dims")):
+        if n.op in PRIMITIVES.names("reduction") and any(d >= 0 for d in n.attr("dims")):
             raise TypeError(
                 f"kernelgraft.pattern({spelling.pattern!r}): reduce over negative dims (dim=-1), "
                 f"not {n.attr('dims')}: a pattern does not know the rank of the tensors it will meet"

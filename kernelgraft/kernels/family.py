@@ -1,0 +1,125 @@
+"""Kernel families behind one interface, and the op naming and caching every family shares.
+
+A spelling names the family that serves it (`@pattern(..., kernel="row")`). A family says:
+
+- `refusal(spelling, metas, rounding, options, training)`: why it cannot serve a site with these
+  argument metas (a reason string), or None;
+- `op(spelling, rounding, recompute)`: the torch.library custom op that computes the spelling,
+  with its gradients; the op's `bind(args, metas, options)` gives the call's arguments from the
+  matched ones (fx nodes and numbers by argument name);
+- `source(spelling, dtype)`: the Triton source it generates, for people to read;
+- `pair_op(spelling, rounding)`: an op serving two sites in one launch, where it has one;
+- `recomputed_ops()`: the ops whose output the backward graph may make again (the rewriter's
+  recompute pass);
+- `withheld_marker()`: what a graph returns for an intermediate the kernel never makes (logits).
+
+Every family falls back the same way (kernels/fallback.py): a kernel that fails to compile or
+launch is recorded once, warned about, and its sites run the spelling's own PyTorch code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+class Unsupported(Exception):
+    """A family cannot serve this spelling or site (the caller falls back and reports why)."""
+
+
+@dataclass
+class KernelSource:
+    """The generated forward and backward Triton source of one spelling at one specialization."""
+
+    pattern: str
+    spelling: str
+    forward: str
+    backward: str
+    path: str
+    gradients: dict  # argument -> its derived gradient (sympy, in the spec's symbols; g: the incoming one)
+
+    def __str__(self) -> str:
+        return f"# {self.pattern}.{self.spelling} ({self.path})\n{self.forward}\n\n{self.backward}"
+
+
+class Family:
+    """The interface of a kernel family (see the module docstring); subclasses fill it in."""
+
+    name = ""
+
+    def refusal(self, spelling, metas: dict, rounding: str, options, training: bool) -> str | None:
+        raise NotImplementedError
+
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False):
+        raise NotImplementedError
+
+    def source(self, spelling, dtype: torch.dtype) -> KernelSource:
+        raise NotImplementedError(f"the {self.name} family shows no generated source")
+
+    def pair_op(self, spelling, rounding: str = "autograd"):
+        return None
+
+    def recomputed_ops(self) -> list:
+        return []
+
+    def withheld_marker(self):
+        """The op a graph returns in place of an intermediate the kernel never makes (the LM head's
+        logits), where the family's spellings may withhold one; None otherwise."""
+        return None
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_of(spelling) -> Family:
+    """The family that serves `spelling` (its `kernel`)."""
+    fam = FAMILIES.get(spelling.kernel)
+    if fam is None:
+        raise ValueError(
+            f"{spelling.qualname}: unknown kernel family {spelling.kernel!r}; known: {tuple(FAMILIES)}"
+        )
+    return fam
+
+
+# ---- ops: one name per (spelling, variant, ABI), defined once per process -------------------------
+
+_OPS: dict[str, object] = {}
+
+
+def op_name(spelling, suffix: str, abi: int) -> str:
+    """kernelgraft::<pattern>__<spelling>__<key><suffix>_abi<abi>. The ABI number is in every name:
+    inductor's on-disk caches key compiled graphs by op name, so a change to what an op returns
+    (shapes, strides of its fake implementation) must change the name."""
+    return re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{spelling.key}{suffix}_abi{abi}")
+
+
+def cached_op(name: str, make):
+    """The op called `name`, made by `make()` the first time it is asked for."""
+    if name not in _OPS:
+        _OPS[name] = make()
+    return _OPS[name]
+
+
+def defined_ops() -> list:
+    """Every op defined so far in this process, in definition order."""
+    return list(_OPS.values())
+
+
+def define(name: str, impl, fake, schema: str):
+    """kernelgraft::<name>, functional, from its implementation, fake implementation and schema ->
+    (its CustomOpDef, for an autograd registration; its default OpOverload, to call)."""
+    op = torch.library.custom_op(f"kernelgraft::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op, getattr(torch.ops.kernelgraft, name).default
+
+
+def schema_args(spelling) -> str:
+    """A spelling's arguments in a custom op's schema: `float` for Scalars, `Tensor` otherwise."""
+    return ", ".join(f"float {a}" if a in spelling.scalar_names else f"Tensor {a}" for a in spelling.arg_names)

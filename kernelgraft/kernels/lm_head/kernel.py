@@ -1,0 +1,301 @@
+"""LM head + cross-entropy, fused: the full logits tensor is never held.
+
+The tokens are taken a chunk at a time. For one chunk:
+
+    z  = h_c @ W^T                     cuBLAS, in W's dtype (as the model's linear rounds)
+    y  = f(z)                          the spelling's logit transform (softcap, scale, cast), generated
+    loss_i = logsumexp_v(y_i) - y_i[t_i]     online max and sum over vocab blocks, one pass
+    dz = f'(z) * (softmax(y) - onehot(t)) * s   second pass, written over z in place
+    dh_c = dz @ W,  dW += dz^T @ h_c  cuBLAS
+
+so memory beyond the inputs and the gradients is one chunk of logits, sized from the shapes (or
+set). The gradients are formed in the forward, for a loss gradient of 1, and scaled in the
+backward by the loss's incoming gradient: exact when it is 1 (plain training and HF's Trainer),
+one extra rounding otherwise. s is 1 / (number of counted labels) for reduction="mean", or
+1 / num_items_in_batch for HF's sum-then-divide.
+
+The transform f and its derivative come from the sympy generator, with the spelling's rounding
+points (Gemma-2's softcap runs in bf16 in the model: each op rounds). The matmuls stay with cuBLAS.
+
+Weight-gradient accumulation over chunks (`accumulate`):
+    "fp32"   (default) an fp32 buffer of W's shape, rounded once at the end: the same error as the
+             unfused model (measured: tests/test_lm_head.py). Costs 4 bytes per weight element.
+    "weight" in W's dtype, rounded after every chunk: half the memory, an error that grows with
+             the number of chunks (bf16: 1.04x eager's at 8192 x 4096 x 128256 on an H200, 8
+             chunks; 1.25x on the CPU test's small shapes, 16 chunks).
+The gradients made in the forward wait for the backward outside the autograd graph (`_STASH`), so
+the backward hands them out without a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import torch
+
+from ...options import ACCUMULATE
+from .. import emit
+from ..cache import load_module
+from ..fallback import record_failure
+from ..family import Unsupported
+from ..rows.tuning import launch_options, pow2
+from ..spec import SERVED
+from .transform import Transform, transform
+
+CHUNK_BYTES = 256 * 2**20  # default budget for one chunk of logits
+
+
+# ---- the Triton kernel: per row, online logsumexp over vocab blocks, then the gradient -----------
+
+
+def kernel_source(name: str, tf: Transform, qual: str) -> str:
+    sc = "".join(f"{s}, " for s in tf.scalars)
+    pin = "".join(f"    {s} = tl.full([], {s}, tl.float32)\n" for s in tf.scalars)
+    fwd = "\n".join(tf.fwd_lines)
+    bwd = "\n".join(tf.bwd_lines)
+    return (
+        emit.HEADER.format(qual=qual, dtypes="logits: the weight's", kinds="rows of logits", out=str(tf.out_dtype))
+        + f"""
+
+@triton.jit
+def {name}_y(v_x, {sc}):
+    # the spelling's logit transform (float32 in, its rounding points kept)
+{fwd}
+    return {tf.fwd}
+
+
+@triton.jit
+def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one row (token) per program; z holds its logits, and on return (GRAD) their gradient
+{pin}    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(t_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    # the target's logit, read once. A label outside [0, V) (PyTorch raises there; checking would
+    # cost a host sync per call) gives a NaN loss and NaN gradients for its row: loud, never wrong
+    inside = valid & (t >= 0) & (t < V)
+    zt = tl.load(z_ptr + row * z_s0 + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    yt = {name}_y(zt, {sc})
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        msk = c < V
+        v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
+        y = tl.where(msk, {name}_y(v_x, {sc}), float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(y, 0, tl.standard._elementwise_max))
+        s = s * tl.exp(m - m_new) + tl.reduce(tl.exp(y - m_new), 0, tl.standard._sum_combine)
+        m = m_new
+    # as log_softmax does: (y - max) - log(sum), never max + log(sum) (it rounds at the scale of max)
+    ls = tl.log(s)
+    bad = valid & ((t < 0) | (t >= V))
+    tl.store(loss_ptr + row, tl.where(bad, float("nan"), tl.where(valid, (m - yt) + ls, 0.0)))
+    if GRAD:
+        k = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+        k = tl.where(bad, float("nan"), k)
+        for v0 in range(0, V, BLOCK_V):
+            c = v0 + cols
+            msk = c < V
+            v_x = tl.load(z_ptr + row * z_s0 + c, mask=msk, other=0.0).to(tl.float32)
+            g = (tl.exp(({name}_y(v_x, {sc}) - m) - ls) - tl.where(c == t, 1.0, 0.0)) * k
+{bwd}
+            tl.store(z_ptr + row * z_s0 + c, {tf.bwd}, mask=msk)
+"""
+    )
+
+
+@functools.cache
+def kernel_name(spelling, dtype: torch.dtype, rounding: str) -> str:
+    return re.sub(r"\W", "_", f"{spelling.pattern}__{spelling.name}__{str(dtype)[6:]}__{rounding}")
+
+
+def rounds_as(device_type: str) -> str:
+    """Whose eager rounding a kernel running on `device_type` reproduces: CUDA's and the CPU's
+    elementwise backward kernels round differently in places (derive._local_derivatives: tanh)."""
+    return "cuda" if device_type == "cuda" else "cpu"
+
+
+@functools.cache
+def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str, rounds: str | None = None):
+    """The CE kernel for `device_type` (the interpreter's on the CPU); rounds: whose eager rounding
+    it reproduces, rounds_as(device_type) unless given (a CPU test of CUDA's rounding)."""
+    tf = transform(spelling, dtype, rounding, rounds or rounds_as(device_type))
+    name = kernel_name(spelling, dtype, rounding)
+    src = kernel_source(name, tf, spelling.qualname)
+    mod, _ = load_module(name, src, interpret=device_type == "cpu")
+    return getattr(mod, name), tf
+
+
+# ---- chunking ------------------------------------------------------------------------------------
+
+
+def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
+    """Tokens per chunk: `chunk` if given (> 0), else $KERNELGRAFT_LM_HEAD_CHUNK, else what keeps
+    one chunk of logits within CHUNK_BYTES (a multiple of 64 tokens when above 64)."""
+    if chunk <= 0:
+        chunk = int(os.environ.get("KERNELGRAFT_LM_HEAD_CHUNK", "0") or 0)
+    if chunk <= 0:
+        chunk = max(1, CHUNK_BYTES // max(1, V * itemsize))
+        if chunk > 64:
+            chunk -= chunk % 64
+    return max(1, min(chunk, max(T, 1)))
+
+
+# A chunk has at least this many tokens (or all of them): with fewer rows its matmuls take the CPU
+# BLAS's matrix-vector paths, which sum the vocabulary terms less accurately (fp32, 1-3 rows: 2-3x
+# the error of the same product in a 4-row or larger matmul, measured), so dh lost to eager's.
+MIN_ROWS = 8
+
+
+def chunk_bounds(T: int, C: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of C tokens; none shorter than MIN_ROWS (a short last chunk joins
+    the one before it)."""
+    C = max(C, min(T, MIN_ROWS))
+    bounds = [(s, min(s + C, T)) for s in range(0, T, C)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < MIN_ROWS:
+        bounds.pop()
+        bounds[-1] = (bounds[-1][0], T)
+    return bounds
+
+
+CE_CONFIG = {"cuda": (4096, 4), "cpu": (8192, 4)}  # (BLOCK_V, num_warps); cuda: tuned on an H200
+
+
+def _ce_config(V: int, device: torch.device) -> tuple[int, int]:
+    cap, warps = CE_CONFIG.get(device.type, CE_CONFIG["cuda"])
+    return min(cap, pow2(max(V, 1))), warps
+
+
+def narrow_in_place(x: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
+    """x (float32, contiguous) rounded to the 2-byte `dtype` inside x's own storage: a view of its
+    first half. Row block [r, r + b) is written over bytes that held rows below r, already read, so
+    no second full-size buffer is needed (the fp32 weight-gradient accumulator: 2x the weight,
+    not 3x, at its peak). The storage keeps x's size until the result is freed."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and torch.empty((), dtype=dtype).element_size() == 2
+    n = x.shape[0]
+    if n == 0:
+        return x.new_empty(x.shape, dtype=dtype)
+    flat = x.view(n, -1)
+    out = x.view(-1).view(dtype)[: x.numel()].view(n, -1)  # same storage, reinterpreted
+    first = min(n, 1)
+    head = flat[:first].to(dtype)  # row 0's destination overlaps itself: through a copy
+    r = first
+    while r < n:
+        b = min(r, rows, n - r)  # b <= r: the destination ends at byte 4*r*H, where the source starts
+        out[r : r + b].copy_(flat[r : r + b])
+        r += b
+    out[:first].copy_(head)
+    return out.view(x.shape)
+
+
+# ---- one call: chunk by chunk -------------------------------------------------------------------
+
+
+def forward(
+    spelling,
+    h,
+    W,
+    target,
+    divisor,
+    scalars,
+    ignore_index,
+    needs_h,
+    needs_w,
+    chunk,
+    accumulate,
+    rounding,
+    grad_scale: float = 1.0,
+):
+    """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale`, empty where not needed."""
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+    for name, t in (("h", h), ("weight", W)):
+        if t.dtype not in SERVED:
+            raise Unsupported(f"{name} is {t.dtype}; the fused LM head serves {SERVED}")
+    if h.dtype != W.dtype:
+        raise Unsupported(f"h is {h.dtype} and the weight {W.dtype}; the linear needs one dtype")
+    dev = h.device
+    try:
+        fn, tf = _kernel(spelling, W.dtype, rounding, dev.type)
+    except Unsupported:
+        raise
+    except Exception as e:  # noqa: BLE001 - generated source that does not load: the caller falls back
+        _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
+        raise KernelFailed from e
+    H, V = W.shape[1], W.shape[0]
+    h2 = h.reshape(-1, H)
+    t = target.reshape(-1)
+    T = h2.shape[0]
+    if t.numel() != T:
+        raise ValueError(f"{spelling.qualname}: {t.numel()} labels for {T} hidden rows")
+    grad = needs_h or needs_w
+    losses = torch.empty(T, dtype=torch.float32, device=dev)
+    # mean: over the labels counted; HF's sum / num_items_in_batch: over what the caller counted
+    denom = (t != int(ignore_index)).sum().to(torch.float32) if divisor is None else divisor
+    scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
+    dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
+    acc32 = accumulate == "fp32" and W.dtype != torch.float32
+    dW = (
+        torch.empty(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
+        if needs_w
+        else W.new_empty(0)
+    )
+    C = chunk_tokens(T, V, W.element_size(), chunk)
+    BV, warps = _ce_config(V, dev)
+    opts = launch_options(rounding, [W.dtype], dev.type)
+    for c0, c1 in chunk_bounds(T, C):
+        hc = h2[c0:c1]
+        z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
+        try:
+            fn[(hc.shape[0],)](
+                z,
+                z.stride(0),
+                t[c0:c1],
+                losses[c0:c1],
+                scale,
+                *scalars,
+                V,
+                int(ignore_index),
+                GRAD=grad,
+                BLOCK_V=BV,
+                num_warps=warps,
+                **opts,
+            )
+        except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
+            _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
+            raise KernelFailed from e
+        if needs_h:
+            torch.mm(z, W, out=dh[c0:c1])
+        if needs_w:
+            beta = 0.0 if c0 == 0 else 1.0  # the first chunk writes dW without reading it
+            if acc32 and dev.type == "cuda":
+                torch.addmm(dW, z.t(), hc, beta=beta, out_dtype=torch.float32, out=dW)
+            elif acc32:
+                torch.addmm(dW, z.t().float(), hc.float(), beta=beta, out=dW)
+            else:
+                torch.addmm(dW, z.t(), hc, beta=beta, out=dW)
+        del z
+    loss = losses.sum() / denom
+    if needs_w and T == 0:
+        dW.zero_()
+    if needs_w and acc32:
+        dW = narrow_in_place(dW, W.dtype)
+    return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW
+
+
+class KernelFailed(Exception):
+    """The CE kernel failed to compile or launch (recorded in FAILED, warned about once)."""
+
+
+def _failed(name: str, dev: torch.device, e: Exception) -> None:
+    record_failure(
+        name,
+        dev,
+        e,
+        "Its LM-head sites run their stock PyTorch code from now on: same numbers as without "
+        "kernelgraft, and the full logits in memory again.",
+    )
+
+

@@ -1,0 +1,252 @@
+"""The LM head's custom op pair: the forward makes the loss and, in training, the gradients (for a
+loss gradient of 1), which wait outside the autograd graph (the stash) until the backward hands
+them out, scaled by the loss's incoming gradient. A kernel that failed runs the spelling itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..fallback import has_failed, spelling_vjp
+from ..family import Unsupported, cached_op, op_name
+from ..spec import SERVED
+from .kernel import KernelFailed, forward, kernel_name
+from .transform import transform, transform_graph
+
+ABI = 2  # in every op name (family.op_name): bump it when the ops' schemas change
+
+
+def reference(spelling, named: dict, needs_h: bool, needs_w: bool, grad_scale: float = 1.0) -> tuple:
+    """(loss, dh, dW) from the spelling itself (the stock code, full logits): the path of a kernel
+    that failed."""
+    named = dict(named, ignore_index=int(named["ignore_index"]))  # the op's schema carries it as a float
+    h, W = named["h"], named["weight"]
+    diff = [n for n, need in (("h", needs_h), ("weight", needs_w)) if need]
+    if not diff:
+        with torch.no_grad():
+            return spelling.fn(*(named[a] for a in spelling.arg_names)), h.new_empty(0), W.new_empty(0)
+    loss, got = spelling_vjp(spelling, named, diff, lambda y: torch.full_like(y, grad_scale))
+    return loss, got.get("h", h.new_empty(0)), got.get("weight", W.new_empty(0))
+
+
+# The gradients the forward made, until the backward takes them: held here rather than saved in the
+# autograd graph, so the backward can hand them out without a copy (a custom op may not return its
+# input). Each entry lives as long as its ticket (a CPU scalar the graph saves): a graph freed
+# without a backward frees its gradients too.
+_STASH: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_NEXT = itertools.count(1)
+
+
+def _ticket_like() -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+def _stash(dh: torch.Tensor, dW: torch.Tensor) -> torch.Tensor:
+    key = next(_NEXT)
+    ticket = torch.tensor(key, dtype=torch.int64)
+    if dh.numel() or dW.numel():
+        _STASH[key] = (dh, dW)
+        weakref.finalize(ticket, _STASH.pop, key, None)
+    return ticket
+
+
+@dataclass
+class LMHeadOp:
+    spelling: object
+    name: str
+    fwd: object
+    chunk: int = 0  # tokens per chunk when called directly (0: from the shapes)
+    accumulate: str = "fp32"
+
+    def __call__(self, *args):
+        """The loss, from the spelling's own arguments (what gradcheck and benchmarks call)."""
+        named = dict(zip(self.spelling.arg_names, args))
+        g = torch.is_grad_enabled()
+        flags = (g and named["h"].requires_grad, g and named["weight"].requires_grad)
+        return self.fwd(*args, *flags, self.chunk, self.accumulate)[0]
+
+    def configured(self, chunk: int = 0, accumulate: str = "fp32") -> LMHeadOp:
+        return LMHeadOp(self.spelling, self.name, self.fwd, chunk, accumulate)
+
+    def bind(self, args: dict, metas: dict, options) -> tuple:
+        """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
+        sp = self.spelling
+        h, w = metas.get("h"), metas.get("weight")
+        needs_h = bool(h is not None and h.requires_grad and torch.is_grad_enabled())
+        needs_w = bool(w is not None and w.requires_grad and torch.is_grad_enabled())
+        out = [args[a] if a not in sp.scalar_names else float(args[a]) for a in sp.arg_names]
+        return (
+            *out,
+            needs_h,
+            needs_w,
+            int(options.lm_head_chunk or 0),
+            options.lm_head_accumulate,
+        )
+
+
+def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
+    """The fused LM head's op for `spelling`, defined on first use."""
+    name = op_name(spelling, f"__{rounding}", ABI)
+    return cached_op(name, lambda: _define(spelling, name, rounding))
+
+
+def _define(sp, name: str, rounding: str) -> LMHeadOp:
+    names = list(sp.arg_names)
+    n_args = len(names)
+    tf_scalars = None
+
+    def unpack(args):
+        nonlocal tf_scalars
+        named = dict(zip(names, args[:n_args]))
+        needs_h, needs_w, chunk, accumulate = args[n_args:]
+        if tf_scalars is None:
+            graph, tf_scalars = transform_graph(sp)
+        return named, needs_h, needs_w, chunk, accumulate
+
+    def run(args, grad_scale=1.0):
+        named, needs_h, needs_w, chunk, accumulate = unpack(args)
+        W = named["weight"]
+        if has_failed(kernel_name(sp, W.dtype, rounding), W.device.type):
+            return reference(sp, named, needs_h, needs_w, grad_scale)
+        try:
+            return fused(named, needs_h, needs_w, chunk, accumulate, grad_scale)
+        except KernelFailed:
+            return reference(sp, named, needs_h, needs_w, grad_scale)
+
+    def fused(named, needs_h, needs_w, chunk, accumulate, grad_scale):
+        return forward(
+            sp,
+            named["h"],
+            named["weight"],
+            named["target"],
+            named.get("n"),
+            [float(named[x]) for x in tf_scalars],
+            named["ignore_index"],
+            needs_h,
+            needs_w,
+            chunk,
+            accumulate,
+            rounding,
+            grad_scale=grad_scale,
+        )
+
+    def impl(*args):
+        loss, dh, dW = run(args)
+        return loss, _stash(dh, dW)
+
+    def fake(*args):
+        named, _, _, _, _ = unpack(args)
+        h, W = named["h"], named["weight"]
+        return h.new_empty((), dtype=_out_dtype(sp, W.dtype)), _ticket_like()
+
+    tensor_idx = [i for i, a in enumerate(names) if a not in sp.scalar_names]
+    schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
+    lib = f"kernelgraft::{name}"
+    op = torch.library.custom_op(
+        lib,
+        impl,
+        mutates_args=(),
+        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate) -> (Tensor, Tensor)",
+    )
+    op.register_fake(fake)
+    h_idx, w_idx = names.index("h"), names.index("weight")
+
+    def bwd_impl(g, ticket, *args):
+        """The gradients for the loss's incoming gradient g, from the ones the forward made for 1.
+        Scaling by a power of two (1 in plain training, a loss scale) is exact and done in place;
+        any other g, or a second backward through a retained graph (the stash was handed out),
+        makes the gradients again with g folded in before the softmax gradient rounds, as the
+        unfused model does."""
+        gv = float(g)
+        got = _STASH.pop(int(ticket), None)
+        mant, _ = math.frexp(gv)
+        if got is not None and (gv == 0.0 or abs(mant) == 0.5):
+            dh, dW = got
+            if gv != 1.0:
+                dh.mul_(gv)
+                dW.mul_(gv)
+            return dh, dW
+        del got
+        _, dh, dW = run(args, grad_scale=gv)
+        return dh, dW
+
+    def bwd_fake(g, ticket, *args):
+        named, needs_h, needs_w, _, _ = unpack(args)
+        h, W = named["h"], named["weight"]
+        return (
+            torch.empty_like(h) if needs_h else h.new_empty(0),
+            torch.empty_like(W) if needs_w else W.new_empty(0),
+        )
+
+    bwd = torch.library.custom_op(
+        f"{lib}_bwd",
+        bwd_impl,
+        mutates_args=(),
+        schema=f"(Tensor g, Tensor ticket, {schema_args}, bool needs_h, bool needs_w, int chunk, "
+        "str accumulate) -> (Tensor, Tensor)",
+    )
+    bwd.register_fake(bwd_fake)
+    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output[1], *(inputs[i] for i in tensor_idx))
+        ctx.rest = [inputs[i] if i not in tensor_idx else None for i in range(len(inputs))]
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, g, _ticket):
+        grads = [None] * (n_args + 4)
+        if g is None:
+            return tuple(grads)
+        ticket, *tensors = ctx.saved_tensors
+        args = list(ctx.rest)
+        for i, t in zip(tensor_idx, tensors):
+            args[i] = t
+        gh, gw = bwd_op(g, ticket, *args)
+        if ctx.needs_input_grad[h_idx] and gh.numel():
+            grads[h_idx] = gh.view(args[h_idx].shape)
+        if ctx.needs_input_grad[w_idx] and gw.numel():
+            grads[w_idx] = gw
+        return tuple(grads)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return LMHeadOp(sp, name, getattr(torch.ops.kernelgraft, name).default)
+
+
+def _out_dtype(spelling, dtype: torch.dtype) -> torch.dtype:
+    try:
+        return transform(spelling, dtype, "autograd").out_dtype
+    except Unsupported:
+        return dtype
+
+
+def refusal(spelling, metas: dict, rounding: str, training: bool) -> str | None:
+    """Why the fused LM head cannot serve this site (None: it can). training: the site runs with
+    gradients (captured with them, or judged as a training step would be: explain, audit)."""
+    h, W, t = metas.get("h"), metas.get("weight"), metas.get("target")
+    if h is None or W is None or t is None:
+        return "no shape/dtype recorded for h, weight or target"
+    if not training:
+        return "captured without gradients (evaluation): the logits are returned, nothing to fuse"
+    if W.dim() != 2 or h.shape[-1] != W.shape[1]:
+        return f"weight {tuple(W.shape)} does not multiply h {tuple(h.shape)}"
+    if h.dtype != W.dtype or W.dtype not in SERVED:
+        return f"h is {h.dtype} and the weight {W.dtype}; the fused LM head serves one of {SERVED}"
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        return f"target is {t.dtype}; class indices (integers) are served, probabilities are not"
+    if len({x.device.type for x in (h, W, t)}) > 1:
+        return "h, weight and target are on different devices"
+    if W.device.type not in ("cuda", "cpu"):
+        return f"device {W.device.type}: kernels run on cuda, or on cpu through Triton's interpreter"
+    try:
+        transform(spelling, W.dtype, rounding)
+    except Unsupported as e:
+        return str(e)
+    return None
+
+

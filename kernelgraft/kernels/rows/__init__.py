@@ -1,0 +1,64 @@
+"""The row-kernel family: element-wise math and row reductions, generated from the spelling.
+
+spec (kernels/spec.py) -> derived backward (kernels/derive.py) -> Triton source (codegen.py) ->
+built and cached once per specialization (build.py) -> launched with shapes and strides read in
+place (layout.py, tuning.py, launch.py) -> torch.library custom ops (ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..family import Family, KernelSource, Unsupported, defined_ops, register
+from .build import MAX_N, MAX_ROWS, RowKernel, row_kernel
+from .codegen import backward_source, forward_source
+from .layout import layout
+from .ops import GraftedOp, op_for, pair_op_for
+
+
+class RowFamily(Family):
+    name = "row"
+
+    def refusal(self, spelling, metas: dict, rounding: str, options=None, training: bool = True) -> str | None:
+        first = metas[spelling.tensor_names[0]]
+        N = first.shape[-1] if first.dim() else 1
+        if isinstance(N, int) and N > MAX_N:
+            return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
+        try:
+            lay = layout(spelling, metas)
+            if isinstance(lay.M, int) and lay.M > MAX_ROWS:
+                return f"{lay.M} rows; generated kernels index at most {MAX_ROWS} rows in one tensor"
+            row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
+        except (Unsupported, ValueError) as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong
+            return f"kernel generation failed: {type(e).__name__}: {e}"
+        return None
+
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False) -> GraftedOp:
+        return op_for(spelling, rounding, recompute)
+
+    def pair_op(self, spelling, rounding: str = "autograd") -> GraftedOp:
+        return pair_op_for(spelling, rounding)
+
+    def source(self, spelling, dtype: torch.dtype) -> KernelSource:
+        names = spelling.tensor_names
+        kinds = {n: ("elem" if i == 0 else "col") for i, n in enumerate(names)}
+        k = row_kernel(spelling, {n: dtype for n in names}, kinds)
+        grads = {t.removeprefix("v_"): str(k.backward.grads[t]) for t in k.spec.tensors}
+        return KernelSource(
+            spelling.pattern,
+            spelling.name,
+            forward_source(k.spec),
+            backward_source(k.spec, k.backward),
+            str(k.path),
+            grads,
+        )
+
+    def recomputed_ops(self) -> list[GraftedOp]:
+        return [op for op in defined_ops() if isinstance(op, GraftedOp) and op.bwd_out is not None]
+
+
+FAMILY = register(RowFamily())
+
+__all__ = ["FAMILY", "MAX_N", "MAX_ROWS", "GraftedOp", "RowFamily", "RowKernel", "op_for", "pair_op_for", "row_kernel"]

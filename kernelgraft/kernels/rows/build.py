@@ -1,0 +1,96 @@
+"""A generated row kernel pair, built once per (spelling, dtypes, kinds, rounding): the spec, its
+derived backward, the Triton module source (written to the cache), and the compiled kernels per
+device: compiled by Triton on CUDA, run by Triton's interpreter on the CPU, from the same source.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import emit
+from ..cache import load_module
+from ..derive import Backward, derive
+from ..family import Unsupported
+from ..spec import Spec, build_spec
+from .codegen import module_source
+from .tuning import launch_options
+
+MAX_N = 65536  # the whole row sits in registers; wider rows fall back (reported)
+MAX_ROWS = 2**31 - 2**16  # rows of one tensor: the kernels split a row index in int32 (codegen._row_index)
+
+
+@dataclass
+class RowKernel:
+    spec: Spec
+    backward: Backward
+    source: str
+    path: Path
+    _compiled: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def elementwise(self) -> bool:
+        """No row reduction, no per-column argument, no permutation within the row: the row
+        boundaries mean nothing, and the launcher may re-cut the tensors into any rows."""
+        b = self.backward
+        needed = emit.needed(self.spec.output, *b.grads.values(), *(e for _, e in b.adjoints))
+        return (
+            not self.spec.reductions
+            and all(v == "elem" for v in self.spec.kinds.values())
+            and not any(n.endswith("__p") or n == "sgn" for n in needed)
+        )
+
+    def options(self, device: torch.device) -> dict:
+        """launch_options for this kernel on `device` (decided once per device type)."""
+        key = ("options", device.type)
+        if key not in self._compiled:
+            self._compiled[key] = launch_options(self.spec.rounding, self.spec.dtypes.values(), device.type)
+        return self._compiled[key]
+
+    def fn(self, which: str, device: torch.device):
+        """The kernel for `device`: Triton-compiled on cuda, interpreted on cpu, from one source file."""
+        key = (which, device.type)
+        if key not in self._compiled:
+            if device.type not in ("cuda", "cpu"):
+                raise Unsupported(
+                    f"device {device.type}: kernels run on cuda, or on cpu through Triton's interpreter"
+                )
+            mod, _ = load_module(self.spec.name, self.source, interpret=device.type == "cpu")
+            # a JITFunction in the compiled instance, an InterpretedFunction in the interpreter's
+            self._compiled[key] = getattr(mod, f"{self.spec.name}_{which}")
+        return self._compiled[key]
+
+
+@functools.cache
+def _row_kernel(spelling, dtypes: tuple, kinds: tuple, rounding: str) -> RowKernel:
+    spec = build_spec(spelling, dict(dtypes), dict(kinds), rounding)
+    bwd = derive(spec)
+    src = module_source(spec, bwd, spelling.qualname)
+    _, path = load_module(spec.name, src)
+    return RowKernel(spec, bwd, src, path)
+
+
+def row_kernel(spelling, dtypes: dict, kinds: dict, rounding: str = "autograd") -> RowKernel:
+    """The generated kernel pair of `spelling` for these argument dtypes and kinds ("elem": one
+    value per element, "col": one per column, a weight), built once: spec, derived backward, source.
+
+    >>> import torch, kernelgraft
+    >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
+    >>> k = kernelgraft.kernels.row_kernel(sp, {"x": torch.bfloat16, "weight": torch.bfloat16},
+    ...                                    {"x": "elem", "weight": "col"})
+    >>> k.spec.out_dtype, k.elementwise, len(k.spec.reductions)
+    (torch.bfloat16, False, 1)
+    """
+    names = spelling.tensor_names
+    dt = tuple((n, dtypes[n]) for n in names)
+    return _row_kernel(spelling, dt, tuple((n, kinds[n]) for n in names), rounding)
+
+
+
+
+def kernel_for(spelling, group, rounding: str) -> RowKernel:
+    """The kernel of a launch group (layout.Group): its tensors' dtypes and kinds."""
+    return row_kernel(spelling, {n: t.dtype for n, t in group.tensors.items()}, group.lay.kinds, rounding)

@@ -1,0 +1,299 @@
+"""The launcher of the generated row kernels: one launch for one argument set, or for two that share
+it (q and k of a layer, with one cos and sin), forward and backward; the stock code's numbers where
+a kernel failed (kernels/fallback.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fallback import has_failed, record_failure, reference_gradients
+from ..family import Unsupported
+from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
+from .codegen import GROUPS
+from .layout import (
+    Group,
+    flat_cut,
+    groups_of,
+    layout,
+    main_order,
+    recut,
+    row_plan,
+    rows_like,
+    shareable,
+    split_args,
+    strided,
+)
+from .tuning import cdiv, config, programs
+
+
+def forward(spelling, args: tuple, rounding: str = "autograd") -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the generated forward on `args` (the spelling's arguments in order) -> (out, row stats)."""
+    return forward_group(spelling, [args], rounding)[0]
+
+
+def forward_group(
+    spelling, arg_sets: list[tuple], rounding: str = "autograd"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One launch for several argument sets that differ only in their per-element tensors (q and k
+    with shared cos, sin) -> [(out, row stats)] per set. Sets that cannot share a launch (other
+    shapes, dtypes or per-column tensors) get one launch each: the same numbers."""
+    groups, scalars = groups_of(spelling, arg_sets)
+    if len(groups) > 1 and not shareable(groups):
+        return [forward_group(spelling, [a], rounding)[0] for a in arg_sets]
+    if len(groups) not in GROUPS:
+        raise ValueError(
+            f"{spelling.qualname}: {len(groups)} groups in one launch; generated entries serve {GROUPS}"
+        )
+    k = kernel_for(spelling, groups[0], rounding)
+    if has_failed(k.spec.name, dev_type(groups)):
+        return [_reference_forward(spelling, a, k) for a in arg_sets]
+    C = flat_cut(k.elementwise, groups)
+    if C:
+        out, _ = forward_group(spelling, [recut(spelling, arg_sets[0], C)], rounding)[0]
+        shape = groups[0].lay.shape  # no row statistics (no reduction), but their usual shape
+        return [(out.view(shape), out.new_empty((*shape[:-1], 1), dtype=torch.float32))]
+    first = next(iter(groups[0].tensors.values()))
+    dev = first.device
+    K = max(len(k.spec.reductions), 1)
+    N = groups[0].lay.N
+    results, gargs, total_rows = [], [], 0
+    for g in groups:
+        elems = [g.tensors[n] for n in g.tensors if g.lay.kinds[n] == "elem"]
+        out = rows_like(bool(k.spec.reductions), elems, g.lay.shape, k.spec.out_dtype)
+        stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
+        results.append((out, stats))
+        sizes, strides, views = row_plan(
+            g.lay.shape, [*elems, out], main=main_order(bool(k.spec.reductions), elems, g.lay.shape)
+        )
+        for v, st in zip(views, strides):
+            gargs += strided(v, st)
+        gargs += [stats, g.lay.M if N else 0, sizes[1], sizes[2]]
+        total_rows += g.lay.M
+    if total_rows == 0 or N == 0:
+        return results
+    if N > MAX_N:
+        raise Unsupported(
+            f"rows of {N} elements; generated kernels hold a row of at most {MAX_N} in registers"
+        )
+    _check_rows(groups)
+    shared = []
+    for n, t in groups[0].tensors.items():
+        if groups[0].lay.kinds[n] == "col":
+            v = t.reshape(N)
+            shared += [v, v.stride(0)]
+    cfg = config(max(g.lay.M for g in groups), N, dev, sums_columns=False, reduces=bool(k.spec.reductions))
+    grid = (sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
+    try:
+        k.fn(_entry("fwd", len(groups)), dev)[grid](
+            *shared, *scalars, *gargs, N, float(N), **cfg, **k.options(dev)
+        )
+    except Unsupported:
+        raise
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: the stock code runs
+        _failed(k, dev, e)
+        return [_reference_forward(spelling, a, k) for a in arg_sets]
+    return results
+
+
+def _check_rows(groups: list[Group]) -> None:
+    big = max(g.lay.M for g in groups)
+    if big > MAX_ROWS:
+        raise Unsupported(f"{big} rows; generated kernels index at most {MAX_ROWS} rows in one tensor")
+
+
+def _entry(which: str, G: int) -> str:
+    return which if G == 1 else f"{which}{G}"
+
+
+def backward(
+    spelling,
+    grad: torch.Tensor,
+    args: tuple,
+    stats: torch.Tensor,
+    needs: list[bool],
+    rounding: str = "autograd",
+) -> list[torch.Tensor]:
+    """Gradients of every tensor argument (an empty tensor where `needs` is False)."""
+    return backward_group(spelling, [grad], [args], [stats], [needs], rounding)[0]
+
+
+def backward_with_out(
+    spelling, grad: torch.Tensor, args: tuple, needs: list[bool], rounding: str = "autograd"
+) -> list[torch.Tensor]:
+    """The gradients as `backward` gives them, then the forward's output, made in the same pass over
+    the rows (the row statistics too, so none are read): for an output recomputed in the backward."""
+    return backward_group(spelling, [grad], [args], [None], [needs], rounding, with_out=True)[0]
+
+
+def backward_group(
+    spelling,
+    grads: list[torch.Tensor],
+    arg_sets: list[tuple],
+    stats: list[torch.Tensor | None],
+    needs_per_set: list[list[bool]],
+    rounding: str = "autograd",
+    with_out: bool = False,
+) -> list[list[torch.Tensor]]:
+    """Gradients of every tensor argument of each argument set (empty where that set's `needs` is
+    False), in one launch when the sets can share one. A per-column argument is then the same
+    tensor in every set: its gradient, the sum over all sets, is returned once (in the first set
+    that needs it; zeros in the others, so that autograd's sum counts it once). with_out: each
+    set's forward output follows its gradients, and `stats` are not read (None)."""
+    groups, scalars = groups_of(spelling, arg_sets)
+    if len(groups) > 1 and not shareable(groups):
+        return [
+            backward_group(spelling, [g], [a], [st], [nd], rounding, with_out)[0]
+            for g, a, st, nd in zip(grads, arg_sets, stats, needs_per_set)
+        ]
+    needs = [any(col) for col in zip(*needs_per_set)]
+    k = kernel_for(spelling, groups[0], rounding)
+
+    def reference():
+        res = [
+            [
+                _laid_out(spelling, a, k, r) if r.numel() and r.shape == gr.lay.shape else r.contiguous()
+                for r in reference_gradients(spelling, g, a, nd)
+            ]
+            for g, a, nd, gr in zip(grads, arg_sets, needs_per_set, groups)
+        ]
+        if with_out:
+            res = [r + [_reference_forward(spelling, a, k)[0]] for r, a in zip(res, arg_sets)]
+        return res
+
+    if has_failed(k.spec.name, dev_type(groups)):
+        return reference()
+    C = flat_cut(k.elementwise, groups, extra=grads)
+    if C:
+        res = backward_group(
+            spelling,
+            [grads[0].view(-1, C)],
+            [recut(spelling, arg_sets[0], C)],
+            stats,
+            needs_per_set,
+            rounding,
+            with_out,
+        )[0]
+        shapes = [t.shape for t in groups[0].tensors.values()] + ([groups[0].lay.shape] if with_out else [])
+        return [[r.view(shape) if r.numel() else r for r, shape in zip(res, shapes)]]
+    kinds = groups[0].lay.kinds
+    names = list(groups[0].tensors)
+    N = groups[0].lay.N
+    dev = grads[0].device
+    # per-column gradients: a bounded number of programs, each summing its rows; none: one per block
+    has_cols = any(k == "col" for k in groups[0].lay.kinds.values())
+    reduces = bool(k.spec.reductions)
+    cfg = config(max(g.lay.M for g in groups), N, dev, sums_columns=has_cols, reduces=reduces)
+    n_blocks = max(1, sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
+    nprog = programs(n_blocks, dev, N, reduces) if has_cols else n_blocks
+    dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)
+    col_bufs = {
+        n: torch.zeros((nprog, N), dtype=torch.float32, device=dev) if need else dummy
+        for n, need in zip(names, needs)
+        if kinds[n] == "col"
+    }
+    elem_bufs, gargs, fwd_outs = [], [], []
+    for g, grad, st in zip(groups, grads, stats):
+        elems = [g.tensors[n] for n in names if kinds[n] == "elem"]
+        bufs = {
+            n: rows_like(reduces, elems, g.lay.shape, g.tensors[n].dtype) if need else None
+            for n, need in zip(names, needs)
+            if kinds[n] == "elem"
+        }
+        elem_bufs.append(bufs)
+        outs = [b for b in bufs.values() if b is not None]
+        if with_out:
+            fwd_outs.append(rows_like(reduces, elems, g.lay.shape, k.spec.out_dtype))
+            outs.append(fwd_outs[-1])
+        main = main_order(reduces, elems, g.lay.shape)
+        sizes, strides, views = row_plan(
+            g.lay.shape, [grad, *elems, *outs], main=None if main is None else 1 + main
+        )
+        flat = [strided(v, s) for v, s in zip(views, strides)]
+        gargs += [a for f in flat[: 1 + len(elems)] for a in f] + ([] if with_out else [st])
+        done = iter(flat[1 + len(elems) :])
+        for b in bufs.values():  # a gradient not needed: a dummy pointer the kernel never writes
+            gargs += next(done) if b is not None else [dummy, 0, 0, 0, 0]
+        if with_out:
+            gargs += next(done)
+        gargs += [g.lay.M if N else 0, sizes[1], sizes[2]]
+    total_rows = sum(g.lay.M for g in groups)
+    if total_rows > 0 and N > 0:
+        if N > MAX_N:
+            raise Unsupported(f"rows of {N} elements (max {MAX_N})")
+        _check_rows(groups)
+        shared = []
+        for n in names:
+            if kinds[n] == "col":
+                v = groups[0].tensors[n].reshape(N)
+                shared += [v, v.stride(0)]
+        shared += scalars
+        for n in names:
+            if kinds[n] == "col":
+                shared += [col_bufs[n], col_bufs[n].stride(0)]
+        flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
+        try:
+            k.fn(_entry("bwdo" if with_out else "bwd", len(groups)), dev)[(nprog,)](
+                *shared, *gargs, N, float(N), **cfg, **flags, **k.options(dev)
+            )
+        except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
+            _failed(k, dev, e)
+            return reference()
+    out = []
+    col_grads = {
+        n: col_bufs[n].sum(0).to(groups[0].tensors[n].dtype).view(groups[0].tensors[n].shape)
+        for n, need in zip(names, needs)
+        if kinds[n] == "col" and need
+    }
+    for g, bufs, own in zip(groups, elem_bufs, needs_per_set):
+        res = []
+        for n, need in zip(names, own):
+            t = g.tensors[n]
+            if not need:
+                res.append(torch.empty(0, dtype=t.dtype, device=dev))
+            elif kinds[n] == "col":
+                res.append(col_grads.pop(n) if n in col_grads else torch.zeros_like(t))
+            elif tuple(t.shape) == tuple(g.lay.shape):
+                res.append(bufs[n])
+            else:  # a broadcast argument: its full gradient, summed back to its shape (contiguous, as faked)
+                res.append(bufs[n].float().sum_to_size(t.shape).to(t.dtype).contiguous())
+        out.append(res)
+    if with_out:
+        out = [r + [y] for r, y in zip(out, fwd_outs)]
+    return out
+
+
+# ---- a kernel that fails at run time (compile error, out of resources): the stock code instead -----
+
+def dev_type(groups: list[Group]) -> str:
+    return next(iter(groups[0].tensors.values())).device.type
+
+
+def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:
+    record_failure(
+        k.spec.name,
+        dev,
+        e,
+        "Its sites run their stock PyTorch code from now on: same numbers as without kernelgraft, "
+        f"without the speed-up. Generated source: {k.path}",
+    )
+
+
+def _laid_out(spelling, args: tuple, k: RowKernel, t: torch.Tensor) -> torch.Tensor:
+    """t (a full-size output or gradient of the stock code) in the layout the launch would have
+    given it (rows_like), which the op's fake implementation declared to inductor."""
+    tensors, _ = split_args(spelling, args)
+    kinds = layout(spelling, tensors).kinds
+    elems = [x for n, x in tensors.items() if kinds[n] == "elem"]
+    want = rows_like(bool(k.spec.reductions), elems, t.shape, t.dtype)
+    return t if t.stride() == want.stride() else want.copy_(t)
+
+
+def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, row stats) from the spelling itself; the stats are unused on this path."""
+    with torch.no_grad():
+        out = _laid_out(spelling, args, k, spelling.fn(*args))
+    K = max(len(k.spec.reductions), 1)
+    return out, torch.empty((*out.shape[:-1], K), dtype=torch.float32, device=out.device)
+
+

@@ -1,0 +1,73 @@
+"""Options: what a user may set on `kernelgraft.optimize`, frozen and validated in one place, with
+every default, and the rounding each backend implies. Every layer reads it; it imports nothing of
+kernelgraft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+BACKENDS = ("inductor", "eager")
+ACCUMULATE = ("fp32", "weight")  # the LM head's weight-gradient sum: in float32, or in the weight's dtype
+DDP_PIECE_MB = 100.0  # the least parameter size of a piece of a DDP-wrapped graph (MiB)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How kernelgraft compiles a model (see `kernelgraft.optimize` for what each option does).
+
+    >>> from kernelgraft import Options
+    >>> Options().rounding, Options(backend="eager").rounding
+    ('fused', 'autograd')
+    >>> Options(recompute="fused")
+    Traceback (most recent call last):
+    ...
+    ValueError: kernelgraft: recompute must be True, False or 'separate', got 'fused'
+    """
+
+    backend: str = "inductor"
+    keep_logits: bool = False
+    lm_head_chunk: int | None = None  # tokens per chunk; None: a chunk of logits of at most 256 MiB
+    lm_head_accumulate: str = "fp32"
+    causal_attention: bool = True
+    recompute: bool | str = True  # True, False or "separate"
+    ddp_piece_mb: float | None = DDP_PIECE_MB
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kernelgraft: backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.recompute, bool) and self.recompute != "separate":
+            raise ValueError(
+                f"kernelgraft: recompute must be True, False or 'separate', got {self.recompute!r}"
+            )
+        piece = self.ddp_piece_mb
+        if piece is not None and (isinstance(piece, bool) or not isinstance(piece, (int, float)) or not piece > 0):
+            raise ValueError(
+                f"kernelgraft: ddp_piece_mb must be a positive size in MiB or None (DDP's own "
+                f"buckets), got {piece!r}"
+            )
+        if self.lm_head_accumulate not in ACCUMULATE:
+            raise ValueError(
+                f"kernelgraft: lm_head_accumulate must be one of {ACCUMULATE}, got {self.lm_head_accumulate!r}"
+            )
+        chunk = self.lm_head_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"kernelgraft: lm_head_chunk must be a positive number of tokens, got {chunk!r}")
+        for name in ("keep_logits", "causal_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kernelgraft: {name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def rounding(self) -> str:
+        """How the kernels round: as the code around them will, eager's per-op rounding ("autograd")
+        or inductor's fused one ("fused")."""
+        return "fused" if self.backend == "inductor" else "autograd"
+
+    @property
+    def fuse_recompute(self) -> bool:
+        """Recomputed outputs made by the sites' backward kernels (recompute=True, inductor)."""
+        return self.recompute is True and self.backend == "inductor"
+
+    def replace(self, **changes) -> Options:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,182 @@
+"""graft(): the passes over one dynamo graph, in the order they run. Read top to bottom:
+
+    causal masks   SDPA masks proven causal -> is_causal=True (edits the fx graph: before the rest)
+    canonicalize   fx graph -> canonical DAG (ir/canonicalize.py), the fx graph untouched
+    match+replace  each spelling at each anchor (larger spellings first): a match is refused by its
+                   family (kept as stock code, reported) or replaced by one custom-op call
+    near misses    failed attempts that got far, the best per module and pattern
+    pair          sites of one spelling that can share a launch -> one call (q and k of a layer)
+    finish         lint and recompile an edited graph
+    regions        graphs under activation checkpointing, grafted the same way
+
+The graph is then lowered by the backend (backend.py). Every pass adds to one RewriteReport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ir import CGraph, canonicalize
+from ..options import Options
+from .attention import make_causal
+from .match import Failure, Match, Matcher, describe, near_miss
+from .replace import insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
+from .report import RewriteReport
+
+
+@dataclass
+class Graft:
+    """One graph being grafted: what the passes read, and what they have found so far."""
+
+    gm: torch.fx.GraphModule
+    spellings: list
+    options: Options
+    dry_run: bool = False  # report only: the graph is left as captured (but for a probe)
+    probe: Callable | None = None  # a dry run's hook: probe(record, spelling, values) per served site
+    training: bool = True  # the sites run with gradients (the LM head is fused only then)
+    runtime_masks: bool = True  # masks read from graph inputs may be checked at run time
+    report: RewriteReport = field(default_factory=lambda: RewriteReport(graphs=1))
+    canonical: CGraph | None = None
+    taken: set = field(default_factory=set)  # fx nodes of the sites matched so far
+    redirect: dict = field(default_factory=dict)  # replaced output -> the node standing for it
+    failures: list = field(default_factory=list)  # (spelling, ops, anchor, Failure)
+    entries: list = field(default_factory=list)  # served sites, for pairing
+
+
+def causal_masks(g: Graft) -> None:
+    if not g.options.causal_attention:
+        return
+    # masks that read graph inputs are checked at run time (the backend runs the checks) where the
+    # graph's caller can be wrapped; elsewhere only masks proven on the graph are rewritten
+    done, kept = make_causal(g.gm, edit=not g.dry_run, runtime=g.runtime_masks)
+    g.report.sites += done
+    g.report.masks_kept += kept
+
+
+def canonicalize_graph(g: Graft) -> None:
+    g.canonical = canonicalize(g.gm.graph)
+
+
+def match_and_replace(g: Graft) -> None:
+    # larger spellings first: Gemma's (1 + w) norm is also OLMo-2's norm with weight := 1 + w, and the
+    # more specific match takes more of the graph into the kernel
+    for sp in sorted(g.spellings, key=lambda s: -len(s.canonical().nodes)):
+        pg = sp.canonical()
+        matcher = Matcher(sp, pg, allow_withhold=not g.options.keep_logits)
+        out = pg.output
+        for anchor in [n for n in g.canonical.nodes if n.op == out.op]:
+            if anchor.fx in g.taken:
+                continue
+            if anchor.attrs != out.attrs:  # other options of the op: reported as a near miss, not matched
+                why = f"expected {describe(out)}, got {describe(anchor)}"
+                g.failures.append((sp, matcher.n_ops, anchor, Failure(0, out, anchor, why)))
+                continue
+            res = matcher.attempt(anchor, g.taken)
+            if not isinstance(res, Match):
+                g.failures.append((sp, matcher.n_ops, anchor, res))
+                continue
+            _serve(g, res)
+
+
+def _serve(g: Graft, m: Match) -> None:
+    """A match: refused by its family (a fallback), or replaced (recorded for pairing)."""
+    sp, rec = m.spelling, site_record(m)
+    why = refusal(m, g.options, g.training)
+    g.taken |= m.covered
+    if why:
+        rec.replaced, rec.reason = False, why
+        g.report.fallbacks.append(rec)
+        return
+    rec.withheld = [w.name for w in m.withheld]
+    g.report.sites.append(rec)
+    if not g.dry_run:
+        g.entries.append((rec, sp, rewrite(g.gm, m, g.redirect, g.options), None))
+        return
+    args = tuple(m.tensors[a].fx if a in m.tensors else m.scalars[a] for a in sp.arg_names)
+    g.entries.append((rec, sp, m.output.fx, args))
+    if g.probe is not None:
+        insert_probe(g.gm, g.probe, rec, sp, m.output.fx, args)
+
+
+def near_misses(g: Graft) -> None:
+    best: dict = {}
+    for sp, n_ops, anchor, f in g.failures:
+        if anchor.fx in g.taken:
+            continue
+        nm = near_miss(sp, n_ops, anchor, f)
+        if nm is None:
+            continue
+        key = (nm.module, sp.pattern)
+        if key not in best or nm.matched > best[key].matched:
+            best[key] = nm
+    g.report.near_misses = list(best.values())
+
+
+def pair(g: Graft) -> None:
+    pairs = plan_pairs(g.entries, g.dry_run)
+    if g.dry_run:
+        for (r0, *_), (r1, *_), _ in pairs:
+            r0.paired = r1.paired = True
+    else:
+        pair_launches(g.gm, pairs, g.options.rounding)
+
+
+def finish(g: Graft) -> None:
+    if g.report.sites and (not g.dry_run or g.probe is not None):
+        g.gm.graph.lint()
+        g.gm.recompile()
+
+
+def regions(g: Graft) -> None:
+    # a region under torch.utils.checkpoint (Hugging Face's gradient checkpointing: one per decoder
+    # layer) is a graph of its own, called through a higher-order op: graft it too. Its mask arrives
+    # as an input there, and run-time checks wrap only the outer graph: static proofs only
+    for body in _checkpointed_bodies(g.gm):
+        sub = Graft(body, g.spellings, g.options, g.dry_run, g.probe, g.training, runtime_masks=False)
+        g.report.add(run(sub))
+
+
+PASSES = (causal_masks, canonicalize_graph, match_and_replace, near_misses, pair, finish, regions)
+
+
+def run(g: Graft) -> RewriteReport:
+    for p in PASSES:
+        p(g)
+    return g.report
+
+
+def graft(
+    gm: torch.fx.GraphModule,
+    spellings,
+    options: Options | None = None,
+    *,
+    dry_run: bool = False,
+    probe: Callable | None = None,
+    training: bool | None = None,
+    runtime_masks: bool = True,
+) -> RewriteReport:
+    """Run the passes over one dynamo graph; edit it unless dry_run. training: None, whether
+    gradients are on now (a capture's own state)."""
+    training = torch.is_grad_enabled() if training is None else training
+    g = Graft(gm, list(spellings), options or Options(), dry_run, probe, training, runtime_masks)
+    return run(g)
+
+
+def _checkpointed_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """The graphs of the activation-checkpointed regions gm calls (dynamo's
+    tag_activation_checkpoint higher-order op, its body a get_attr of gm), each once."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if hop is not None and n.op == "call_function" and n.target is hop and n.args:
+            b = n.args[0]
+            if isinstance(b, torch.fx.Node) and b.op == "get_attr":
+                body = getattr(gm, b.target, None)
+                if isinstance(body, torch.fx.GraphModule):
+                    out[id(body)] = body
+    return list(out.values())
+
+

@@ -8,20 +8,20 @@ from tiny import batch, tiny_model
 from transformers import AutoModelForCausalLM
 
 import kernelgraft
-from kernelgraft.kernels import rowkernel
+from kernelgraft.kernels.rows import MAX_N, launch
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
     calls = []
-    real = rowkernel.forward
+    real = launch.forward
 
     def counting(spelling, args, rounding="autograd"):
         if spelling.pattern == "rms_norm":
             calls.append(spelling.qualname)
         return real(spelling, args, rounding)
 
-    monkeypatch.setattr(rowkernel, "forward", counting)
+    monkeypatch.setattr(launch, "forward", counting)
     return calls
 
 
@@ -114,8 +114,6 @@ def test_report_counts_the_code_that_runs_after_recompiles():
 def test_rows_wider_than_the_kernels_serve_fall_back_reported():
     """A row over MAX_N elements is not served: the site keeps the stock code, explain says why, and
     the optimized model computes exactly what the stock one does."""
-    from kernelgraft.kernels.rowkernel import MAX_N
-
     class WideNorm(torch.nn.Module):
         def __init__(self):
             super().__init__()

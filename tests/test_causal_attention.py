@@ -1,6 +1,6 @@
 """Attention masks proven causal on the captured graph run as `is_causal=True`
 (kernelgraft/rewriter/attention.py); every other mask is kept, with the reason reported, and the
-numbers are the stock module's either way (the DESIGN.md rule against float64)."""
+numbers are the stock module's either way (the accuracy rule against float64)."""
 
 import copy
 
@@ -152,7 +152,7 @@ def test_a_mask_read_from_the_inputs_is_checked_at_run_time(backend, monkeypatch
 
 def test_a_trace_on_fake_tensors_checks_nothing():
     # DDP's graph splitter (torch 2.11) runs every compiled piece on fake tensors to propagate shapes:
-    # the check has no values to read there (it failed on the H200 with _local_scalar_dense)
+    # the check has no values to read there (reading them fails with _local_scalar_dense)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kernelgraft.rewriter.attention import MaskCheck

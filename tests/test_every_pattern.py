@@ -1,13 +1,13 @@
 """Every registered pattern spelling, built-in or a contributor's, through one property-based check:
 drawn shapes, dtypes and values (outliers, constant rows) against float64 truth and eager by the
-DESIGN.md rule. Declaring a pattern (with its `example`) is all it takes to be checked here."""
+accuracy rule. Declaring a pattern (with its `example`) is all it takes to be checked here."""
 
 import pytest
 import torch
 from hypothesis import given
 
 from kernelgraft.gradcheck import check_spelling, strategies
-from kernelgraft.kernels import lm_head
+from kernelgraft.kernels.lm_head.transform import transform
 from kernelgraft.patterns import REGISTRY
 
 SPELLINGS = REGISTRY.spellings()
@@ -19,7 +19,7 @@ def dtypes_for(sp):
     tests/test_lm_head.py checks directly. Those spellings are drawn in float32 here."""
     if (
         sp.kernel == "lm_head_ce"
-        and lm_head.transform(sp, torch.bfloat16, "autograd").out_dtype != torch.float32
+        and transform(sp, torch.bfloat16, "autograd").out_dtype != torch.float32
     ):
         return (torch.float32,)
     return strategies.DTYPES

@@ -11,7 +11,7 @@ from tiny import batch, compare_models, tiny_model
 import kernelgraft
 from kernelgraft.gradcheck import check_spelling
 from kernelgraft.kernels import op_for
-from kernelgraft.kernels.rowkernel import MAX_N
+from kernelgraft.kernels.rows import MAX_N
 from kernelgraft.patterns import REGISTRY
 
 pytestmark = pytest.mark.gpu
@@ -72,16 +72,16 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
-# Known gap, measured on the H200 (2026-11-29): with the inductor backend in bf16 a few quantities
+# Known gap, measured on an H200 (2026-11-29): with the inductor backend in bf16 a few quantities
 # miss the rule by 5-75% (loss; norm weights; q/k projections). The custom op is a fusion barrier:
 # torch.compile keeps fp32 between the residual add, the norm and RoPE inside one fused kernel,
 # while the grafted graph stores the norm's input, output and incoming gradient in bf16 at the cut.
-# Fusing those neighbours into the pattern is the fix (benchmarks issue); strict: a pass is news.
-# Llama passes since q and k share one launch read in place (second session, same card).
-# Sixth session, on the CPU: with one batch the loss is one number and a norm weight's gradient a few
-# dozen, so these checks are largely a draw of the rounding; over 32 batches Gemma-2 passes
-# (tests/test_inductor_bf16.py), and Qwen3 over batches 65-192 (its loss over batches 1-64 misses
-# by 10 %: noise of that size remains at 64 numbers). Next: judge these GPU cases over many batches.
+# Fusing those neighbours into the pattern would close it; strict: a pass is news. Llama passes
+# (q and k share one launch, read in place). On the CPU, with one batch the loss is one number and
+# a norm weight's gradient a few dozen, so these checks are largely a draw of the rounding; over
+# 32 batches Gemma-2 passes (tests/test_inductor_bf16.py), and Qwen3 over batches 65-192 (its loss
+# over batches 1-64 misses by 10 %: noise of that size remains at 64 numbers). These GPU cases are
+# judged on one batch.
 _CUT = pytest.mark.xfail(strict=True, reason="bf16 precision lost at the fusion barrier under inductor")
 CASES = [
     pytest.param(
@@ -115,7 +115,7 @@ def test_large_rows_loop_path_on_gpu(spelling):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_paired_rope_in_place_layouts_on_gpu(dtype):
     # Llama-3-8B attention at S=2048: q 32 heads, k 8, transposed views; cos/sin broadcast over heads
-    from kernelgraft.kernels.ops import pair_op_for
+    from kernelgraft.kernels.rows import pair_op_for
 
     sp = REGISTRY.get("rope", "rotate_half")
     B, S, D = 2, 2048, 128
@@ -157,11 +157,11 @@ def test_every_spelling_thorough_on_gpu(sp, request):
     wide = 4096 if sp.kernel == "lm_head_ce" else MAX_N  # wider rows are refused (see test_kernels)
     # The LM head's gradients are sums over the vocabulary: at 4 rows x 8 the 32 numbers of grad h
     # make the rule a coin toss between equally good roundings; from 16 rows the error is a
-    # statistic. (The softcap failures this profile found on the H200 were not chance: CUDA's
-    # tanh_backward rounds y*y and 1 - y*y in bf16/fp16, and Triton fused 1 - y*y into one FMA.
-    # The kernel now rounds as CUDA eager does, and launches without FMA contraction: 0 of 4016
-    # logit-gradient elements differ from CUDA eager's on the fp16 case, 2026-11-30. Afterwards
-    # both softcap spellings passed this test on the H200: 200 examples each, 2026-11-30.)
+    # statistic. (The softcap spellings need the kernel to round as CUDA eager does: CUDA's
+    # tanh_backward rounds y*y and 1 - y*y in bf16/fp16, and the kernel launches without FMA
+    # contraction, which would fuse 1 - y*y into one FMA. On an H200, 2026-11-30: 0 of 4016
+    # logit-gradient elements differ from CUDA eager's on the fp16 case, and both softcap spellings
+    # pass this test, 200 examples each.)
     low = 16 if sp.kernel == "lm_head_ce" else 4
     count = EXAMPLES_RUN.setdefault(sp.qualname, [0])
 
@@ -182,12 +182,12 @@ def test_every_spelling_thorough_on_gpu(sp, request):
 
 @pytest.mark.parametrize("name", ["llama", "olmo2", "gemma"])
 @pytest.mark.parametrize("where", ["constant rows of 65536", "g = x, rows of 83"])
-def test_float32_norms_found_by_the_thorough_profile(name, where):
-    """The two float32 cases the H200's thorough profile found (2026-11-30), each failing the rule
-    before the float32 norms computed in float64 (codegen.in_float64): constant rows of 65536, where
-    Triton's per-thread sums left the statistic (and the output) at 5.7 float32 epsilons against
-    eager's 0.8; and rows of 83 whose incoming gradient is x itself (both drawn from seed 0), where
-    the x gradient's two terms cancel (2.3x eager's error for Gemma)."""
+def test_float32_norms_on_long_constant_rows_and_cancelling_gradients(name, where):
+    """Two float32 cases (drawn by the thorough profile on an H200) that a norm computed in float32
+    fails and one computed in float64 (codegen.in_float64) passes: constant rows of 65536, where
+    Triton's per-thread sums in float32 leave the statistic (and the output) at 5.7 float32 epsilons
+    against eager's 0.8; and rows of 83 whose incoming gradient is x itself (both drawn from seed 0),
+    where the x gradient's two terms cancel (2.3x eager's error for Gemma in float32)."""
     from kernelgraft.gradcheck.strategies import _values
 
     sp = REGISTRY.get("rms_norm", name)
@@ -202,7 +202,7 @@ def test_float32_norms_found_by_the_thorough_profile(name, where):
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
 
 
-# ---- issue 8: tensors over 2**31 elements (64-bit offsets) ------------------------------------------
+# ---- tensors over 2**31 elements (64-bit offsets) ---------------------------------------------------
 
 BIG = 2**31 + 2**22  # elements: offsets past what int32 holds
 
@@ -302,7 +302,7 @@ def test_lm_head_chunk_of_logits_over_2_31_elements():
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_causal_mask_rewrite_on_gpu(backend, monkeypatch):
-    # transformers 5.17 (the lent GPU host's) builds the causal mask whenever dynamo traces; newer
+    # transformers 5.17 builds the causal mask whenever dynamo traces; newer
     # ones skip it. Made to build it here either way: every layer's SDPA runs with is_causal=True
     import transformers.masking_utils as mu
 

@@ -6,8 +6,9 @@ import torch
 from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
-from kernelgraft.kernels import lm_head, op_for, rowkernel
-from kernelgraft.kernels.ops import pair_op_for
+from kernelgraft.kernels import fallback, op_for
+from kernelgraft.kernels.lm_head import kernel as lm_kernel
+from kernelgraft.kernels.rows import build, launch, layout, pair_op_for, tuning
 from kernelgraft.patterns import REGISTRY
 
 ROPE = REGISTRY.get("rope", "rotate_half")
@@ -19,13 +20,13 @@ def launches(monkeypatch):
     """Every generated-kernel entry fetched for a launch: (pattern, entry), entry 'fwd' for one set
     of tensors, 'fwd2' for two in one launch."""
     seen = []
-    real = rowkernel.RowKernel.fn
+    real = build.RowKernel.fn
 
     def fn(self, which, device):
         seen.append((self.spec.name.split("__")[0], which))
         return real(self, which, device)
 
-    monkeypatch.setattr(rowkernel.RowKernel, "fn", fn)
+    monkeypatch.setattr(build.RowKernel, "fn", fn)
     return seen
 
 
@@ -45,7 +46,7 @@ def test_hf_layouts_are_read_in_place():
     q, cos, sin = rope_inputs(2, 4, 6, 8)
     shape = q.shape
     out = torch.empty(shape)
-    sizes, strides, views = rowkernel._rows(shape, [q, cos, sin, out], main=0)
+    sizes, strides, views = layout.row_plan(shape, [q, cos, sin, out], main=0)
     assert [v.data_ptr() for v in views] == [t.data_ptr() for t in (q, cos, sin, out)]  # no copies
     # the rows follow q's memory order (batch, position, head): a block of rows is one position's
     # heads, which read one row of cos and sin
@@ -61,10 +62,10 @@ def test_rope_walks_rows_in_the_memory_order_of_q_and_a_norm_as_given(monkeypatc
     # position, head) memory order; RMSNorm (row statistics stored by place in the walk) keeps the
     # order as given. The numbers are the eager spelling's either way
     seen = []
-    rows = rowkernel._rows
+    rows = launch.row_plan
     monkeypatch.setattr(
-        rowkernel,
-        "_rows",
+        launch,
+        "row_plan",
         lambda shape, ts, main=None: (seen.append((main, rows(shape, ts, main)[0])), rows(shape, ts, main))[
             1
         ],
@@ -89,7 +90,7 @@ def test_rope_walks_rows_in_the_memory_order_of_q_and_a_norm_as_given(monkeypatc
 def test_contiguous_dims_collapse_and_unit_dims_drop():
     x = torch.randn(3, 1, 5, 7, 16)
     w = torch.randn(16)
-    sizes, strides, _ = rowkernel._rows(x.shape, [x])
+    sizes, strides, _ = layout.row_plan(x.shape, [x])
     assert sizes == [1, 1, 105] and strides == [[0, 0, 16, 1]]
     del w
 
@@ -99,18 +100,18 @@ def test_an_argument_broadcast_along_the_row_reads_column_stride_0():
     kernel reads it in place: the same numbers as with the argument expanded and copied."""
     x = torch.randn(4, 6, 16)
     b = torch.randn(4, 6, 1)
-    sizes, strides, views = rowkernel._rows(x.shape, [x, b])
+    sizes, strides, views = layout.row_plan(x.shape, [x, b])
     assert strides[1][-1] == 0 and views[1].data_ptr() == b.data_ptr()
-    sizes2, strides2, _ = rowkernel._rows(x.shape, [x, b.expand(4, 6, 16)])
+    sizes2, strides2, _ = layout.row_plan(x.shape, [x, b.expand(4, 6, 16)])
     assert (sizes, strides) == (sizes2, strides2)  # planned from shapes and strides: cached alike
 
 
 def test_launch_plans_are_cached():
-    rowkernel._row_plan.cache_clear()
+    layout._plan.cache_clear()
     x = torch.randn(3, 8, 32)
     for _ in range(3):
-        rowkernel._rows(x.shape, [x, torch.empty_like(x)])
-    info = rowkernel._row_plan.cache_info()
+        layout.row_plan(x.shape, [x, torch.empty_like(x)])
+    info = layout._plan.cache_info()
     assert info.misses == 1 and info.hits == 2
 
 
@@ -120,11 +121,11 @@ def test_more_than_three_irregular_dims_fall_back_to_a_copy_and_stay_exact(dtype
     base = torch.randn(2, 3, 4, 5, 16).to(dtype)
     x = base.permute(3, 1, 0, 2, 4).detach().requires_grad_()
     w = torch.randn(16).to(dtype).requires_grad_()
-    sizes, _, views = rowkernel._rows(x.shape, [x])
+    sizes, _, views = layout.row_plan(x.shape, [x])
     assert views[0].is_contiguous() and sizes == [1, 1, 120]
     # walked in its own memory order (kernels without row statistics), the same tensor is one
     # contiguous run of rows: read in place
-    sizes, strides, views = rowkernel._rows(x.shape, [x], main=0)
+    sizes, strides, views = layout.row_plan(x.shape, [x], main=0)
     assert views[0].data_ptr() == x.data_ptr() and sizes == [1, 1, 120] and strides[0] == [0, 0, 16, 1]
     op = op_for(RMS)
     y = op(x, w, 1e-6)
@@ -267,14 +268,14 @@ def test_elementwise_ops_are_recut_into_power_of_two_rows(shape, monkeypatch):
     gate, up = (torch.randn(*shape, generator=g).bfloat16().requires_grad_() for _ in range(2))
     dy = torch.randn(*shape, generator=g).bfloat16()
     cuts = []
-    real = rowkernel._recut
-    monkeypatch.setattr(rowkernel, "_recut", lambda s, a, C: cuts.append(C) or real(s, a, C))
+    real = launch.recut
+    monkeypatch.setattr(launch, "recut", lambda s, a, C: cuts.append(C) or real(s, a, C))
     y = op(gate, up)
     grads = torch.autograd.grad(y, (gate, up), dy)
     n = gate.numel()
-    want = next((c for c in rowkernel.FLAT_ROWS if n % c == 0), 0) if shape[-1] & (shape[-1] - 1) else 0
+    want = next((c for c in tuning.flat_rows() if n % c == 0), 0) if shape[-1] & (shape[-1] - 1) else 0
     assert cuts == ([want, want] if want else [])
-    monkeypatch.setattr(rowkernel, "FLAT_ROWS", ())  # the rows as they come
+    monkeypatch.setitem(tuning.TABLE, "flat_rows", ())  # the rows as they come
     y0 = op(gate, up)
     grads0 = torch.autograd.grad(y0, (gate, up), dy)
     assert torch.equal(y, y0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
@@ -286,10 +287,10 @@ def test_recut_is_not_done_for_rows_that_mean_something():
     for pattern, spelling in [("rms_norm", "llama"), ("rope", "rotate_half")]:
         sp = REGISTRY.get(pattern, spelling)
         kinds = {n: ("col" if n == "weight" else "elem") for n in sp.tensor_names}
-        k = rowkernel.row_kernel(sp, {n: torch.float32 for n in sp.tensor_names}, kinds)
+        k = build.row_kernel(sp, {n: torch.float32 for n in sp.tensor_names}, kinds)
         assert not k.elementwise
     sp = REGISTRY.get("gated_mlp", "silu")
-    k = rowkernel.row_kernel(
+    k = build.row_kernel(
         sp, {n: torch.float32 for n in sp.tensor_names}, dict.fromkeys(sp.tensor_names, "elem")
     )
     assert k.elementwise
@@ -306,11 +307,11 @@ def broken_kernels(monkeypatch):
 
             return launch
 
-    monkeypatch.setattr(rowkernel.RowKernel, "fn", lambda self, which, device: Broken())
-    real = lm_head._kernel
-    monkeypatch.setattr(lm_head, "_kernel", lambda *a: (Broken(), real(*a)[1]))
-    monkeypatch.setattr(rowkernel, "FAILED", {})
-    return rowkernel
+    monkeypatch.setattr(build.RowKernel, "fn", lambda self, which, device: Broken())
+    real = lm_kernel._kernel
+    monkeypatch.setattr(lm_kernel, "_kernel", lambda *a: (Broken(), real(*a)[1]))
+    monkeypatch.setattr(fallback, "FAILED", {})
+    return fallback
 
 
 def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(broken_kernels):

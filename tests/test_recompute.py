@@ -1,7 +1,7 @@
 """Outputs recomputed in the backward (patterns declared with recompute=True: the gated MLP and
 RMSNorm): with the inductor backend AOT autograd's partitioner makes them again from the inputs their
 kernels' backward keeps, instead of saving them for the matmuls that read them. Less saved for the
-backward, the same numbers (the DESIGN.md rule against float64)."""
+backward, the same numbers (the accuracy rule against float64)."""
 
 import copy
 import re
@@ -84,8 +84,8 @@ def _graph_with_a_recomputed_call():
 
 
 def _moves(graph, piece_of) -> dict:
-    """node -> the piece it moves to, over all of backend._move_groups' groups."""
-    from kernelgraft.rewriter.backend import _move_groups
+    """node -> the piece it moves to, over all of ddp._move_groups' groups."""
+    from kernelgraft.rewriter.ddp import _move_groups
 
     return {n: to for group in _move_groups(graph, piece_of) for n, to in group.items()}
 
@@ -122,7 +122,7 @@ def test_ddp_cut_moves_keep_autocast_switches_in_place():
 
     import torch.fx as fx
 
-    from kernelgraft.rewriter.backend import _in_piece_order, _move_groups
+    from kernelgraft.rewriter.ddp import _in_piece_order, _move_groups
     from kernelgraft.rewriter.replace import RECOMPUTE_META
 
     def graph(switch_between: bool):
@@ -164,14 +164,14 @@ def test_an_output_only_returned_is_not_recomputed(monkeypatch):
     # recompute is for outputs the graph reads on (the projections after a norm or a gated MLP):
     # a site whose output only leaves the graph is not tagged, and its forward kernel runs once per
     # forward + backward; read by a matmul, it is tagged and runs again in the backward
-    from kernelgraft.kernels import rowkernel
+    from kernelgraft.kernels.rows import launch
     from kernelgraft.rewriter.replace import RECOMPUTE_META
 
     calls, fused = [], []
-    forward, with_out = rowkernel.forward_group, rowkernel.backward_with_out
-    monkeypatch.setattr(rowkernel, "forward_group", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    forward, with_out = launch.forward_group, launch.backward_with_out
+    monkeypatch.setattr(launch, "forward_group", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
     monkeypatch.setattr(
-        rowkernel, "backward_with_out", lambda *a, **k: (fused.append(1), with_out(*a, **k))[1]
+        launch, "backward_with_out", lambda *a, **k: (fused.append(1), with_out(*a, **k))[1]
     )
 
     def norm(x, w):
@@ -192,7 +192,7 @@ def test_an_output_only_returned_is_not_recomputed(monkeypatch):
         (read_on, "separate", 1, 2, 0),
     ):
         torch._dynamo.reset()
-        grafter = kernelgraft.Grafter("inductor", options={"recompute": mode})
+        grafter = kernelgraft.Grafter("inductor", options=kernelgraft.Options(recompute=mode))
         lower = grafter._lower
 
         def spy(gm, example_inputs, lower=lower):
@@ -248,7 +248,7 @@ def test_every_recomputed_site_is_made_by_its_backward_kernel(monkeypatch):
     # tiny Llama, 2 layers, inductor: per layer 2 norms and a gated MLP, each a (forward again,
     # backward) pair in the backward graph, become one `_bwdo` call. The final norm stays as it
     # is: its output is the LM head's input, whose backward makes that norm's incoming gradient (a
-    # cycle). The numbers: the DESIGN.md rule, as everywhere
+    # cycle). The numbers: the accuracy rule, as everywhere
     from kernelgraft.rewriter import recompute
 
     stock = tiny_model("llama", layers=2)

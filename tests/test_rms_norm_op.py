@@ -1,4 +1,4 @@
-"""The RMSNorm op alone vs float64 truth, eager and torch.compile (the DESIGN.md rule)."""
+"""The RMSNorm op alone vs float64 truth, eager and torch.compile (the accuracy rule)."""
 
 import pytest
 import torch
@@ -91,9 +91,9 @@ def test_bad_shapes_say_what_to_do():
 
 def test_backward_programs_loop_over_row_blocks(monkeypatch):
     # On a GPU each backward program visits many row blocks; force that path in the interpreter too.
-    from kernelgraft.kernels import rowkernel
+    from kernelgraft.kernels.rows import tuning
 
-    monkeypatch.setattr(rowkernel, "MAX_PROGRAMS_CPU", 3)
+    monkeypatch.setitem(tuning.TABLE["interpreter"], "max_programs", 3)
     for spelling in SPELLINGS:
         sp = REGISTRY.get("rms_norm", spelling)
         for dtype in (torch.float32, torch.bfloat16):

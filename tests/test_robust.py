@@ -1,8 +1,8 @@
 """Served correctly or left stock, reported: never a wrong number, never a crash. Unusual input,
-dynamic shapes, concurrent processes on one kernel cache, and determinism (issue 8).
+dynamic shapes, concurrent processes on one kernel cache, and determinism.
 
 Each case says what happens to it: "served" (the kernels run and match the stock numbers by the
-DESIGN.md rule or bit for bit) or "falls back" (the stock code runs; explain says why)."""
+accuracy rule or bit for bit) or "falls back" (the stock code runs; explain says why)."""
 
 import copy
 import os
@@ -126,17 +126,17 @@ def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
     """20 steps, sequence lengths and batch sizes all different: dynamo marks the dims dynamic after
     the first change, so the model is captured a few times, not 20; every step is correct; and the
     launch configs (Triton compiles one kernel per config) stay a handful, not one per shape."""
-    from kernelgraft.kernels import rowkernel
+    from kernelgraft.kernels.rows import launch
 
     configs = set()
-    real_config = rowkernel._config
+    real_config = launch.config
 
     def spy(M, N, device, **kw):
         cfg = real_config(M, N, device, **kw)
         configs.add((N, tuple(sorted(cfg.items()))))
         return cfg
 
-    monkeypatch.setattr(rowkernel, "_config", spy)
+    monkeypatch.setattr(launch, "config", spy)
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     g = torch.Generator().manual_seed(0)
@@ -161,8 +161,8 @@ def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_dynamic_true_serves_every_site(backend):
-    # with dynamic=True dynamo makes the floats a model reads (RMSNorm's eps) graph inputs, and the
-    # norms no longer matched (a near miss: "`eps` is a Scalar in the pattern but the model has
+    # with dynamic=True dynamo makes the floats a model reads (RMSNorm's eps) graph inputs, which would
+    # leave the norms unmatched (a near miss: "`eps` is a Scalar in the pattern but the model has
     # opaque:item(...)"); optimize keeps floats specialized. One capture serves both lengths
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend, dynamic=True)
@@ -176,7 +176,7 @@ def test_dynamic_true_serves_every_site(backend):
 
 def test_gpu_launch_configs_depend_on_the_width_only():
     # one compiled kernel per width on a GPU, however many rows (tokens) a step has
-    from kernelgraft.kernels.rowkernel import _config
+    from kernelgraft.kernels.rows.tuning import config as _config
 
     cuda = torch.device("cuda")  # only a key here: nothing is launched
     for N in (1, 7, 128, 4096, 14336, 65536):

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..patterns import REGISTRY
-from . import lm_head, rows
+from . import fallback, lm_head, rows
 from .cache import cache_dir
-from .fallback import FAILED
 from .family import FAMILIES, Family, KernelSource, Unsupported, family_of
 from .rows import MAX_N, MAX_ROWS, row_kernel
 
@@ -75,7 +74,7 @@ def failed_kernels() -> dict:
     >>> isinstance(kernelgraft.kernels.failed_kernels(), dict)
     True
     """
-    return dict(FAILED)
+    return dict(fallback.FAILED)
 
 
 __all__ = [

@@ -11,7 +11,7 @@ import torch
 from ..family import Family, KernelSource, register
 from .kernel import kernel_name, kernel_source, rounds_as
 from .op import LMHeadOp, op_for, refusal
-from .transform import transform
+from . import transform
 from .withheld import WITHHELD_MESSAGE, WithheldLogits, explain_markers, marker_op
 
 
@@ -25,7 +25,7 @@ class LMHeadFamily(Family):
         return op_for(spelling, rounding)
 
     def source(self, spelling, dtype: torch.dtype) -> KernelSource:
-        tf = transform(spelling, dtype, "autograd", rounds_as("cpu"))
+        tf = transform.transform(spelling, dtype, "autograd", rounds_as("cpu"))
         src = kernel_source(kernel_name(spelling, dtype, "autograd"), tf, spelling.qualname)
         # one kernel makes the loss and, with GRAD, the logits' gradient in place: both are here
         return KernelSource(spelling.pattern, spelling.name, src, "", "", {"logits": tf.bwd})

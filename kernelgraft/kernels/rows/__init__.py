@@ -12,7 +12,7 @@ import torch
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
 from .build import MAX_N, MAX_ROWS, RowKernel, row_kernel
 from .codegen import backward_source, forward_source
-from .layout import layout
+from . import layout
 from .ops import GraftedOp, op_for, pair_op_for
 
 
@@ -25,7 +25,7 @@ class RowFamily(Family):
         if isinstance(N, int) and N > MAX_N:
             return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
         try:
-            lay = layout(spelling, metas)
+            lay = layout.layout(spelling, metas)
             if isinstance(lay.M, int) and lay.M > MAX_ROWS:
                 return f"{lay.M} rows; generated kernels index at most {MAX_ROWS} rows in one tensor"
             row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)

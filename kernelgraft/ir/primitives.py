@@ -81,6 +81,12 @@ class Table:
             self.by_target[t] = p
         return p
 
+    def remove(self, name: str) -> None:
+        p = self.by_name.pop(name)
+        for t in p.spellings:
+            if self.by_target.get(t) is p:
+                del self.by_target[t]
+
     def __getitem__(self, name: str) -> Primitive:
         return self.by_name[name]
 

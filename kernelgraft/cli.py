@@ -38,6 +38,7 @@ EXAMPLES = """examples:
                                         the GPU benchmark suite of a source checkout
 """
 
+DEFAULT_ARCH = "llama"  # explain and audit without --arch or --model
 
 # (hidden, intermediate, layers, heads, kv heads, vocab, batch, seq): big enough on a GPU that
 # tokens/s mean something, small enough on a CPU to finish in seconds under the interpreter
@@ -187,7 +188,7 @@ def _batch(model, batch: int, seq: int, device="cpu"):
     return torch.randint(0, vocab, (batch, seq), device=device)
 
 
-def explain_model(arch: str | None = "llama", model_dir: str | None = None, layers: int = 2, out=None) -> int:
+def explain_model(arch: str | None = DEFAULT_ARCH, model_dir: str | None = None, layers: int = 2, out=None) -> int:
     """`kernelgraft explain`: what would be replaced in a tiny random --arch model or a --model checkpoint."""
     out = out or sys.stdout
     torch.manual_seed(0)
@@ -251,11 +252,10 @@ def bench(args: list[str], parser) -> int:
 def _add_source(sp: argparse.ArgumentParser) -> None:
     """--arch (a tiny random model) or --model (a local checkpoint), not both."""
     src = sp.add_mutually_exclusive_group()
-    src.add_argument(
+    src.add_argument(  # default None, not "llama": argparse tells a given --arch from its default by identity
         "--arch",
-        default="llama",
-        help="a transformers model type (e.g. llama, qwen3, gemma2, mistral) for a tiny random model "
-        "(default: %(default)s)",
+        help=f"a transformers model type (e.g. llama, qwen3, gemma2, mistral) for a tiny random model "
+        f"(default: {DEFAULT_ARCH})",
     )
     src.add_argument(
         "--model",
@@ -371,11 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     # explain, audit: a model from --arch or --model
     if a.model is not None and not os.path.isdir(a.model):
         sp.error(f"--model {a.model}: not a directory; give a local Hugging Face checkpoint directory")
+    if a.model is None and a.arch is None:
+        a.arch = DEFAULT_ARCH
     if a.layers < 1:
         sp.error("--layers must be at least 1")
     try:
         if a.cmd == "explain":
-            return explain_model(None if a.model else a.arch, a.model, a.layers)
+            return explain_model(a.arch, a.model, a.layers)
         if a.batch < 1 or a.seq < 2:
             sp.error("--batch must be at least 1, --seq at least 2")
         if a.device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,5 +1,5 @@
 """gradcheck: is a kernel at least as accurate as the code it replaces? References (float64 truth,
-eager, torch.compile) and the DESIGN.md comparison rule.
+eager, torch.compile) and the comparison rule (rule.py).
 
 `kernelgraft.gradcheck.strategies` (hypothesis strategies that draw a pattern's test cases) needs the
 `test` extra, `pip install 'kernelgraft[test]'`: it is imported on first use, not with the package.

@@ -4,7 +4,7 @@ parameter by parameter, next to the stock model?
 1. Sites. The model runs once, stock, with a probe at every site kernelgraft would replace: each
    site's real arguments are recorded. On them, the site's kernel, eager PyTorch (the spelling in
    the working dtype) and torch.compile of the spelling are compared with float64 truth, output
-   and every input gradient, by the DESIGN.md rule.
+   and every input gradient, by the comparison rule (rule.py).
 2. Parameters. Three copies of the model run forward and backward on the same inputs: a reference
    in `reference_dtype` (float64 by default: stricter than an fp32 reference), the stock model and
    the optimized one, both in the model's own dtype. Per parameter, the optimized model's gradient
@@ -258,7 +258,7 @@ def _objective(out, seed):
     if not isinstance(y, torch.Tensor) or not y.is_floating_point():
         raise TypeError(
             "kernelgraft.audit: the model returned no loss and no floating tensor to differentiate; "
-            "pass labels (or call it so that it returns logits)"
+            "pass labels (or make it return logits)"
         )
     gen = torch.Generator().manual_seed(seed)
     proj = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y.device)

@@ -1,4 +1,4 @@
-"""The comparison rule of DESIGN.md, in one place.
+"""The comparison rule, in one place.
 
 error(candidate) = ||candidate - truth|| / ||truth||, per output and per gradient, truth being the
 reference computed in float64. kernelgraft passes when its error <= 1.1 * max(eager, compile) +

@@ -180,7 +180,7 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
 
 
 def _lower_primitive(b: _Builder, n: torch.fx.Node, prim, args: list, kwargs: dict) -> CNode:
-    """A call of a table primitive -> its canonical node, or an opaque one where the call's options
+    """One use of a table primitive -> its canonical node, or an opaque one where the call's options
     change the math in a way the canonical form does not say (a reduction to a dtype, alpha != 1)."""
     op = prim.name
     for key, value, opaque in prim.requires:

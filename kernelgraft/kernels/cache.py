@@ -81,7 +81,7 @@ def load_module(name: str, source: str, *, interpret: bool = False):
     """Write `source` (if missing or damaged) under the cache and import it as a module.
 
     interpret=True imports a second instance whose @triton.jit helpers are Triton-interpreter
-    functions: the interpreter cannot call a compiled JITFunction, and one process runs both."""
+    functions: the interpreter cannot run a compiled JITFunction, and one process runs both."""
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = _safe_dir() / f"{name}_{key}.py"
     if not _intact(path):

@@ -21,7 +21,8 @@ A mask that reads graph inputs cannot be proven on the graph: it is checked at r
 That is the case wherever the mask crosses a graph boundary (FSDP2 captures one graph per decoder
 layer: the mask arrives as an input; DDP's graph, cut at its gradient buckets, is grafted whole
 before the cut, see backend.py) and where a mask is built from the batch's own `attention_mask`.
-When the producers read graph inputs (tensors) and nothing else impure, and the sizes are static, the call is rewritten as above, and the backend (backend.py) runs
+When the producers read graph inputs (tensors) and nothing else impure, and the sizes are static,
+that SDPA call is rewritten as above, and the backend (backend.py) runs
 the graph only after `MaskCheck.holds` has evaluated the mask from those inputs and found it equal to
 the causal mask (one device synchronization; the verdict is kept for the same input tensors while
 they live and are not written to: one check per forward, shared by every graph the mask reaches).
@@ -62,7 +63,7 @@ def _is_sdpa(n: torch.fx.Node) -> bool:
 
 
 def has_input_masks(gm: torch.fx.GraphModule) -> bool:
-    """Whether an SDPA call of the graph has a mask that reads graph inputs (one make_causal(...,
+    """Whether an SDPA call in the graph has a mask that reads graph inputs (that make_causal(...,
     runtime=True) checks at run time; the backend then keeps a copy of the graph for a failed
     check). A walk of the producers, nothing evaluated."""
     for n in gm.graph.nodes:
@@ -152,7 +153,7 @@ def _evaluate(nodes: list[torch.fx.Node]) -> torch.Tensor:
 
 def causal_verdict(m: torch.Tensor, lq: int, lk: int) -> str | None:
     """None if the mask `m` (broadcast to [..., lq, lk]) is the causal mask; else why not. Decided
-    on m's device with one synchronization (run-time checks call it once per forward)."""
+    on m's device with one synchronization (run-time checks run it once per forward)."""
     if lq != lk:
         return f"query length {lq} != key length {lk}"
     if m.dim() < 2 or tuple(m.shape[-2:]) != (lq, lk):

@@ -64,7 +64,7 @@ def _pieces_of_at_least(ddp_optimizer, mb: float | None):
     """While DDPOptimizer cuts a grafted graph: pieces of at least `mb` MiB of parameters (DDP's own
     bucket size where larger; None: DDP's). DDPOptimizer cuts where DDP's reducer fills a bucket
     (25 MB by default), so that a bucket's all-reduce can start while the backward goes on; but
-    each piece is a compiled function of its own, with its own forward and backward call on the
+    each piece is a compiled function of its own, with its own forward and backward calls on the
     host. At the Llama-3.2-1B step on two H200s, 100 MiB pieces (about a decoder layer: 18, not 50)
     ran 0.35 % faster than DDP's cut, every run ahead (2026-11-30; 1.5 % where DDP's buckets grew
     to 100 MB as well, which changed nothing for eager Liger; benchmarks/RESULTS.md). DDP's reducer
@@ -142,11 +142,11 @@ def _movable(n: torch.fx.Node) -> bool:
 
 
 def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:
-    """One {node: piece it moves to} per recomputed kernel call that moves: the call (with its
+    """One {node: piece it moves to} per recomputed kernel site that moves: the site (with its
     getitems, and slices of its outputs) into the first piece that reads its outputs, and the
     readers in later pieces back into that one, where all their other inputs are already made by then (graph inputs, or nodes
     of that piece or earlier ones) and they are pure (_movable). Moving a node later past none of
-    its readers, or earlier past none of its inputs, keeps the pieces in order. A call whose
+    its readers, or earlier past none of its inputs, keeps the pieces in order. A site whose
     readers cannot all join one piece stays where it is, with its readers (a copy per piece would
     sum its gradient in another order than the model does)."""
     out: dict = {}  # every node moved so far
@@ -155,14 +155,14 @@ def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:
     def at(n):
         return out.get(n, piece_of(n))
 
-    for call in graph.nodes:
-        if call.op != "call_function" or not call.meta.get(RECOMPUTE_META):
+    for site in graph.nodes:
+        if site.op != "call_function" or not site.meta.get(RECOMPUTE_META):
             continue
-        items = list(call.users)
+        items = list(site.users)
         if not items or any(u.op != "call_function" or u.target is not operator.getitem for u in items):
             continue
         # indexing an output (Hugging Face slices the final norm's output for the LM head) passes
-        # it on: the slice moves with the call, and what reads the slice counts as a reader
+        # it on: the slice moves with the site, and what reads the slice counts as a reader
         made, readers = set(items), []
         todo = [r for i in items for r in i.users]
         while todo:
@@ -174,7 +174,7 @@ def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:
                 readers.append(r)
         if not readers or any(r.op in ("output", "placeholder") for r in readers):
             continue
-        here = at(call)
+        here = at(site)
         pieces = {at(r) for r in readers}
         if not all(isinstance(q, int) for q in pieces) or not isinstance(here, int):
             return []  # not DDPOptimizer's numbering: leave the cut as it is
@@ -189,7 +189,7 @@ def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:
         )
         if (to <= here and not late) or not ready or not all(_movable(r) for r in late):
             continue
-        group = dict.fromkeys((call, *made, *late), to)
+        group = dict.fromkeys((site, *made, *late), to)
         groups.append(group)
         out.update(group)
     return groups

@@ -1,4 +1,4 @@
-"""Replace: each match -> one call of its family's custom op; the matched nodes that are then dead
+"""Replace: each match -> a single custom-op call from its family; the matched nodes that are then dead
 are erased. Sites the kernel cannot serve (extra_check, dtype, shape) keep the stock subgraph and
 are reported as fallbacks. Sites of one spelling that can share a launch (q and k of a layer) are
 paired into one call.
@@ -48,7 +48,7 @@ def refusal(m: Match, options, training: bool) -> str | None:
 
 
 def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torch.fx.Node:
-    """The match's subgraph -> one call of its op (returned); `redirect` maps each replaced output
+    """The match's subgraph -> a single call to its op (returned); `redirect` maps each replaced output
     to the node that now stands for it, for later sites that read it."""
     sp = m.spelling
     # recompute only an output the graph reads on: one that only leaves the graph is never saved for
@@ -141,7 +141,7 @@ def plan_pairs(entries: list, dry_run: bool) -> list[tuple]:
 
 
 def pair_launches(gm: torch.fx.GraphModule, pairs: list, rounding: str) -> None:
-    """One paired custom-op call in place of each pair of single calls."""
+    """A paired custom-op call in place of each two single ones."""
     g = gm.graph
     for (r0, sp, c0, _), (r1, _, c1, _), (_, _, at, _) in pairs:
         pair = family_of(sp).pair_op(sp, rounding)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..family import Family, KernelSource, register
+from . import transform
 from .kernel import kernel_name, kernel_source, rounds_as
 from .op import LMHeadOp, op_for, refusal
-from . import transform
 from .withheld import WITHHELD_MESSAGE, WithheldLogits, explain_markers, marker_op
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
+from . import layout
 from .build import MAX_N, MAX_ROWS, RowKernel, row_kernel
 from .codegen import backward_source, forward_source
-from . import layout
 from .ops import GraftedOp, op_for, pair_op_for
 
 

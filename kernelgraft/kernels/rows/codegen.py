@@ -7,7 +7,7 @@ is split over up to three leading dims (D0, D1, D2) and every per-element tensor
 in each, so transposed views (HF's q after `.transpose(1, 2)`) and broadcast arguments (cos/sin
 unsqueezed on the head dim, stride 0) are read in place, never copied.
 
-One row-block function does the work; the entry kernels call it for one group of tensors, or for
+One row-block function does the work; the entry kernels run it for one group of tensors, or for
 several groups in one launch (q and k of a layer share cos and sin: one call serves both). Per-column
 arguments, scalars and the row length are shared by the groups; per-element ones belong to a group.
 

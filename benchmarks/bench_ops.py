@@ -1,4 +1,5 @@
-"""RoPE and SwiGLU fwd+bwd on a GPU at the ANCHORS.md shapes: eager, torch.compile, Liger-Kernel
+"""RoPE and SwiGLU fwd+bwd on a GPU at the reference shapes (RoPE q 8x32x2048x128 and k 8x8x2048x128,
+SwiGLU 16384x14336): eager, torch.compile, Liger-Kernel
 (when importable) and kernelgraft, side by side in one process, each with its error vs float64.
 
     python benchmarks/bench_ops.py [--out DIR]      -> DIR/ops.json, DIR/ops.md"""
@@ -16,7 +17,7 @@ from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
 from kernelgraft.kernels import op_for
-from kernelgraft.kernels.ops import pair_op_for
+from kernelgraft.kernels.rows import pair_op_for
 from kernelgraft.patterns import REGISTRY
 
 

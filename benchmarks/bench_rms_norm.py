@@ -152,7 +152,7 @@ def main():
         "--dtype",
         choices=("bfloat16", "float32"),
         default="bfloat16",
-        help="float32: the kernel computes in float64 there (kernelgraft.kernels.codegen.in_float64)",
+        help="float32: the kernel computes in float64 there (kernelgraft.kernels.rows.codegen.in_float64)",
     )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

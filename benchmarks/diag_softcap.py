@@ -1,11 +1,11 @@
 """Where CUDA's eager Gemma-2 softcap path rounds differently from the CPU's (and from the kernel).
 
-Found by the thorough profile on the H200 (2026-11-30): for lm_head_ce.softcap_mean in bf16, the
-case `Case(rows=16, n=23, bf16, gaussian, seed=23)` gives kernelgraft's grad h an error of 0.0026,
-equal to the CPU eager's (the kernel's bits match the CPU's), while CUDA's eager gives 0.00209.
+The case it examines, drawn by the thorough property profile on an H200: lm_head_ce.softcap_mean
+in bf16, `Case(rows=16, n=23, bf16, gaussian, seed=23)`. There a kernel that rounds as the CPU's eager
+does has a grad h error of 0.0026, equal to the CPU eager's, while CUDA's eager gives 0.00209.
 This script runs the spelling op by op on both devices, from the same inputs, and prints for each
 intermediate (forward and the gradients flowing back) how many elements differ between CPU and CUDA
-eager and between each and the fused kernel's logit gradient, so one GPU call says which op rounds
+eager and between each and the fused kernel's logit gradient, so one GPU run says which op rounds
 differently.
 
     python benchmarks/diag_softcap.py          (needs a CUDA GPU; prints a table)
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from kernelgraft.gradcheck.strategies import _values
-from kernelgraft.kernels import lm_head, rowkernel
+from kernelgraft.kernels.lm_head import kernel as lm_kernel
+from kernelgraft.kernels.rows.tuning import launch_options
 from kernelgraft.patterns import REGISTRY
 
 
@@ -65,7 +66,7 @@ def main():
     dev = os.environ.get("DIAG_DEVICE", "cuda")  # "cpu": a dry run of the script itself
     cuda = chain(h.to(dev), w.to(dev), t.to(dev), cap, ii, g.to(dev))
     # the kernel's logit gradient (what it writes over z), from CUDA's z and from the CPU's
-    fn, _ = lm_head._kernel(sp, dt, "autograd", dev)
+    fn, _ = lm_kernel._kernel(sp, dt, "autograd", dev)
     counted = (t != ii).sum().float()
     kern = {}
     for name, z in (
@@ -76,7 +77,7 @@ def main():
         loss = torch.empty(z.shape[0], device=dev)
         fn[(z.shape[0],)](
             dz, dz.stride(0), t.to(dev), loss, (g.to(dev) / counted.to(dev)).reshape(1), cap, z.shape[1], ii,
-            GRAD=True, BLOCK_V=128, **rowkernel.launch_options("autograd", [dt], dev),
+            GRAD=True, BLOCK_V=128, **launch_options("autograd", [dt], dev),
         )  # fmt: skip
         kern[name] = dz
     print(f"{'quantity':40s} {'n':>6s} {'cpu!=cuda':>10s} {'max |diff|':>12s}")

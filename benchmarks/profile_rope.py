@@ -1,10 +1,10 @@
-"""Where the time of kernelgraft's paired RoPE fwd+bwd goes on a GPU (ANCHORS.md shape): device
+"""Where the time of kernelgraft's paired RoPE fwd+bwd goes on a GPU (q 8x32x2048x128, k 8x8x2048x128): device
 kernels vs host, from torch.profiler.   python benchmarks/profile_rope.py"""
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernelgraft.kernels.ops import pair_op_for
+from kernelgraft.kernels.rows import pair_op_for
 from kernelgraft.patterns import REGISTRY
 
 

@@ -1,8 +1,11 @@
 """Launch configs of the generated row kernels, swept on a GPU: device time of each forward and backward
 launch (a CUDA graph replayed: no host in the loop) for every (BLOCK_M, num_warps[, programs per SM,
-row length of the flat re-cut]) tried, next to the config `rowkernel._config` picks today.
+row length of the flat re-cut]) tried, next to the config the launch table
+(kernelgraft/kernels/rows/launch_configs.json) gives.
 
-    python benchmarks/tune_rows.py [--out DIR] [--quick]    -> DIR/tune_rows.json, DIR/tune_rows.md
+    python benchmarks/tune_rows.py [--out DIR] [--quick] [--write-table]
+        -> DIR/tune_rows.json, DIR/tune_rows.md; with --write-table, the best column-summing
+           backward configs of the norms written into the launch table
 
 Each config's outputs are checked against the default config's: a forward must be bitwise equal (rows
 are independent), a backward's per-element gradients too; per-column gradients (summed by a different
@@ -18,10 +21,10 @@ import os
 
 import torch
 
-from kernelgraft.kernels import rowkernel
+from kernelgraft.kernels.rows import build, launch, layout, tuning
 from kernelgraft.patterns import REGISTRY
 
-BW = 4275e9  # ANCHORS.md's device copy rate
+BW = 4275e9  # the H200's measured device-to-device copy rate, bytes/s
 
 
 def cases(quick: bool, dtype: torch.dtype = torch.bfloat16):
@@ -71,7 +74,7 @@ def cases(quick: bool, dtype: torch.dtype = torch.bfloat16):
 
 
 def trials(N: int, elementwise: bool, sums_columns: bool, quick: bool):
-    """(label, config patch) pairs: None is today's default. Programs per SM are varied only where a
+    """(label, config patch) pairs: None is the current default. Programs per SM are varied only where a
     backward sums columns (elsewhere every block is a program)."""
     yield "default", None
     bms, warpss, per_sms = (
@@ -79,10 +82,10 @@ def trials(N: int, elementwise: bool, sums_columns: bool, quick: bool):
         if not quick
         else ((1, 2, 4, 8, 16, 32), (2, 4, 8, 16), (2, 4, 8))
     )
-    BN = rowkernel._pow2(N)
+    BN = tuning.pow2(N)
     flat = (4096, 2048, 1024) if elementwise and not (N <= 4096 and N & (N - 1) == 0) else (None,)
     for C in flat:
-        bn = rowkernel._pow2(C) if C else BN
+        bn = tuning.pow2(C) if C else BN
         for bm, warps in itertools.product(bms, warpss):
             if bm * bn > 32768 or bm * bn < 32 * warps or bm * bn // (32 * warps) > 128:
                 continue
@@ -93,36 +96,18 @@ def trials(N: int, elementwise: bool, sums_columns: bool, quick: bool):
                 )
 
 
-class Patched:
-    """rowkernel's launch choices replaced by one trial config while in the block."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def __enter__(self):
-        self.saved = rowkernel._config, rowkernel._programs, rowkernel.FLAT_ROWS
-        c = self.cfg
-        if c is None:
-            return self
-        rowkernel._config = lambda M, N, device, sums_columns=True, reduces=False: dict(
-            BLOCK_M=c["BM"], BLOCK_N=rowkernel._pow2(N), num_warps=c["warps"]
-        )
-        rowkernel._programs = lambda n_blocks, device, N=0, reduces=False: max(
-            1, min(n_blocks, c["per_sm"] * rowkernel._sm_count(device.index))
-        )
-        if c["C"]:
-            rowkernel.FLAT_ROWS = (c["C"],)
-        return self
-
-    def __exit__(self, *exc):
-        rowkernel._config, rowkernel._programs, rowkernel.FLAT_ROWS = self.saved
+def patched(cfg):
+    """The row kernels launched with one trial config inside the block (None: the table's)."""
+    if cfg is None:
+        return tuning.trial(None)
+    return tuning.trial(tuning.Trial(cfg["BM"], cfg["warps"], cfg["per_sm"], cfg["C"]))
 
 
 def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
     from triton.testing import do_bench_cudagraph
 
     def fwd():
-        return rowkernel.forward_group(sp, arg_sets, rounding)
+        return launch.forward_group(sp, arg_sets, rounding)
 
     ref = fwd()
     ref_f, stats = [o for o, _ in ref], [s for _, s in ref]
@@ -130,17 +115,17 @@ def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
     needs = [list(need) for _ in arg_sets]  # RoPE: q and k only (cos and sin take no gradient)
 
     def bwd():
-        return rowkernel.backward_group(sp, grads, arg_sets, stats, needs, rounding)
+        return launch.backward_group(sp, grads, arg_sets, stats, needs, rounding)
 
     ref_b = bwd()
-    group = rowkernel._groups(sp, arg_sets)[0][0]
-    k = rowkernel._kernel(sp, group, rounding)
+    group = layout.groups_of(sp, arg_sets)[0][0]
+    k = build.kernel_for(sp, group, rounding)
     col_idx = [i for i, n in enumerate(sp.tensor_names) if group.lay.kinds[n] == "col"]
     rows = {}
     seen_fwd = {}
     for label, cfg in trials(group.lay.N, k.elementwise, bool(col_idx), QUICK):
         try:
-            with Patched(cfg):
+            with patched(cfg):
                 f_out = [o for o, _ in fwd()]
                 same_f = all(torch.equal(a, b) for a, b in zip(f_out, ref_f))
                 fkey = None if cfg is None else (cfg["C"], cfg["BM"], cfg["warps"])
@@ -171,6 +156,9 @@ def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
     best_f = min(good, key=lambda k_: good[k_]["fwd_ms"])
     best_b = min(good, key=lambda k_: good[k_]["bwd_ms"])
     return dict(
+        width=group.lay.N, sums_columns=bool(col_idx), reduces=bool(k.spec.reductions),
+        default_warps=tuning.config(group.lay.M, group.lay.N, group.tensors[sp.tensor_names[0]].device,
+                                    sums_columns=True, reduces=bool(k.spec.reductions))["num_warps"],
         name=name, fwd_floor_ms=fwd_bytes / BW * 1e3, bwd_floor_ms=bwd_bytes / BW * 1e3,
         default=rows["default"], best_fwd=(best_f, rows[best_f]), best_bwd=(best_b, rows[best_b]),
         bad=[k_ for k_, v in rows.items() if "error" not in v and not v["ok"]], trials=rows,
@@ -196,6 +184,22 @@ def markdown(doc) -> str:
     return "\n".join(L) + "\n"
 
 
+def table_from(doc) -> dict:
+    """The launch table with the column-summing backward of each norm width swept set to its fastest
+    config among those that keep the default's num_warps (and so its numbers bit for bit)."""
+    table = tuning.load()
+    for r in doc["results"]:
+        if not (r.get("sums_columns") and r.get("reduces")):
+            continue
+        same = {k_: v for k_, v in r["trials"].items() if "error" not in v and v["ok"] and v["cfg"]
+                and v["cfg"]["warps"] == r["default_warps"] and not v["cfg"]["C"]}  # fmt: skip
+        if same:
+            best = min(same.values(), key=lambda v: v["bwd_ms"])
+            if best["bwd_ms"] < r["default"]["bwd_ms"]:
+                table["cuda"]["column_sums"][tuning.pow2(r["width"])] = (best["cfg"]["BM"], best["cfg"]["per_sm"])
+    return table
+
+
 QUICK = False
 
 
@@ -203,13 +207,19 @@ def main():
     global QUICK
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
-    ap.add_argument("--quick", action="store_true", help="the ANCHORS.md shapes only")
+    ap.add_argument("--quick", action="store_true", help="the reference shapes only, no other widths")
     ap.add_argument("--only", default="", help="cases whose name contains one of these (comma-separated)")
     ap.add_argument(
         "--dtype",
         choices=("bfloat16", "float32"),
         default="bfloat16",
         help="float32: the RMSNorm cases only, whose kernels compute in float64",
+    )
+    ap.add_argument(
+        "--write-table",
+        action="store_true",
+        help="write the fastest column-summing backward configs found into the launch table "
+        f"({tuning.TABLE_PATH})",
     )
     a = ap.parse_args()
     QUICK = a.quick
@@ -225,6 +235,9 @@ def main():
         json.dump(doc, open(os.path.join(a.out, "tune_rows.json"), "w"), indent=1)
         open(os.path.join(a.out, "tune_rows.md"), "w").write(markdown(doc))
     print(markdown(doc))
+    if a.write_table:
+        tuning.write(table_from(doc))
+        print(f"launch table written: {tuning.TABLE_PATH}")
 
 
 if __name__ == "__main__":

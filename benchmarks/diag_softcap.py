@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kernelgraft.gradcheck.strategies import _values
 from kernelgraft.kernels.lm_head import kernel as lm_kernel
-from kernelgraft.kernels.rows.tuning import launch_options
+from kernelgraft.kernels.launching import launch_options
 from kernelgraft.patterns import REGISTRY
 
 

@@ -177,7 +177,7 @@ def _frame_id():
 
 
 def _named_backend(gm, example_inputs):
-    return Grafter("inductor")(gm, example_inputs)
+    return Grafter()(gm, example_inputs)  # the default Options
 
 
 def register() -> None:

@@ -40,7 +40,7 @@ from .. import emit
 from ..cache import load_module
 from ..fallback import record_failure
 from ..family import Unsupported
-from ..rows.tuning import launch_options, pow2
+from ..launching import launch_options, pow2
 from ..spec import SERVED
 from .transform import Transform, transform
 

@@ -15,9 +15,9 @@ from .. import emit
 from ..cache import load_module
 from ..derive import Backward, derive
 from ..family import Unsupported
+from ..launching import launch_options
 from ..spec import Spec, build_spec
 from .codegen import module_source
-from .tuning import launch_options
 
 MAX_N = 65536  # the whole row sits in registers; wider rows fall back (reported)
 MAX_ROWS = 2**31 - 2**16  # rows of one tensor: the kernels split a row index in int32 (codegen._row_index)

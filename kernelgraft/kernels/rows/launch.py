@@ -9,6 +9,7 @@ import torch
 
 from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
+from ..launching import cdiv
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
 from .codegen import GROUPS
 from .layout import (
@@ -24,7 +25,7 @@ from .layout import (
     split_args,
     strided,
 )
-from .tuning import cdiv, config, programs
+from .tuning import config, programs
 
 
 def forward(spelling, args: tuple, rounding: str = "autograd") -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,16 +30,9 @@ from pathlib import Path
 
 import torch
 
+from ..launching import pow2
+
 TABLE_PATH = Path(__file__).with_name("launch_configs.json")
-
-
-def pow2(n: int) -> int:
-    """The next power of two (triton.next_power_of_2 is a constexpr function: slow on the host)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def load(path: Path = TABLE_PATH) -> dict:
@@ -140,17 +133,3 @@ def sm_count(index) -> int:
     return torch.cuda.get_device_properties(
         index if index is not None else torch.cuda.current_device()
     ).multi_processor_count
-
-
-def launch_options(rounding: str, dtypes, device_type: str) -> dict:
-    """Triton options for a kernel that must round where the reference rounds. On the GPU Triton
-    contracts a multiply and an add into one FMA by default, and LLVM first narrows float ops on
-    values rounded to fp16/bf16 into half-precision ops: the LM head's `1 - round(y*y)` became
-    fma(-y, y, 1), one rounding where CUDA eager's tanh_backward has two (measured on an H200,
-    2026-11-30: 53232 of 200000 fp16 results differed from aten's; benchmarks/diag_softcap.py found
-    the case). Without contraction every rounding written in the generated source is kept, as eager
-    keeps each op's. Under inductor's rounding ("fused") contraction stays on, as inductor's own."""
-    low = any(d in (torch.bfloat16, torch.float16) for d in dtypes)
-    if device_type == "cuda" and rounding == "autograd" and low:
-        return {"enable_fp_fusion": False}
-    return {}

@@ -15,7 +15,7 @@ loss.backward(), zero_grad(set_to_none=True), no optimizer; every rank runs its 
 `--steps` timed steps, each between a barrier and a device synchronize. Reported per (setup, mode, world size): tokens/s per GPU (per-rank tokens over the
 slowest rank's median step), the scaling efficiency (tokens/s per GPU at world size N over world size
 1), the peak memory per GPU (max over ranks of max_memory_allocated, reset before the timed steps), and
-that peak above what the step starts from (weights or shards and the batch: ANCHORS.md's measure),
+that peak above what the step starts from (weights or shards and the batch: the peers' measure),
 the first step's seconds and its loss. At world size 1 the model is measured unwrapped: a plain
 one-GPU training step, the baseline of the scaling efficiency (setups of one shape, as with --tiny,
 share that run).
@@ -29,8 +29,8 @@ commands with the same --out; `--fresh` starts over; or give each command its ow
 them with --merge) and DIR/distributed.md. `--repeat N` runs every (setup, world size, mode) N
 times, the modes taking turns (run 1 of each mode, then run 2 of each...): a row is then the median
 run, with every run's tokens/s; the summary says when the fastest mode's runs overlap another's.
-On the lent H200 hosts the same mode moves 2-4 % between runs, more than kernelgraft and Liger
-differ: a verdict between them needs this.
+On H200 hosts the same mode moves 2-4 % between runs, more than kernelgraft and Liger differ:
+a verdict between them needs this.
 
 `--turns` goes further: one run per (setup, world size) builds every mode's model (Liger's last) and
 takes turns step by step, the order rotated each round; Liger's reassigned transformers globals are
@@ -187,7 +187,7 @@ def make_step(model, ids, kv_cache: bool = False):
     makes each layer's frame guard on its layer_idx: a recompile per layer, and past dynamo's
     recompile limit (8) the remaining layers run uncompiled. Training needs no cache. kv_cache: the
     model's default instead (it fills a cache in the training forward, as suite.py's step and the
-    anchors' bench do), for DDP, whose graph is one."""
+    peers' published benchmark do), for DDP, whose graph is one."""
     cache = {} if kv_cache else {"use_cache": False}
 
     def step():
@@ -268,7 +268,7 @@ def measure(model, ids, steps: int, dev: torch.device, profile: bool = False, kv
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     # what a step starts from (this rank's weights or shards and the batch; gradients are None):
-    # ANCHORS.md counts the peak above it
+    # the peak is also reported above it
     base = torch.cuda.memory_allocated(dev) if cuda else None
     times = []
     for _ in range(steps):

@@ -1,7 +1,7 @@
-"""The benchmark suite of issue 6, in one process per part: every implementation side by side.
+"""The benchmark suite, in one process per part: every implementation side by side.
 
 Parts (`--parts`, comma-separated; default all):
-  patterns   RMSNorm, RoPE, SwiGLU at the ANCHORS.md shapes and a size sweep: fwd, bwd, fwd+bwd
+  patterns   RMSNorm, RoPE, SwiGLU at the reference shapes and a size sweep: fwd, bwd, fwd+bwd
              (median ms, triton.testing.do_bench) and peak memory above the inputs, for eager,
              torch.compile, Liger (when importable), and kernelgraft as users get it: the spelling
              compiled with the kernelgraft backend, "inductor" and "eager"
@@ -49,7 +49,7 @@ from benchlib import (  # noqa: E402
     turn_order,
 )
 
-BW = 4275e9  # ANCHORS.md's device copy rate, bytes/s: the memory floor
+BW = 4275e9  # the H200's measured device-to-device copy rate, bytes/s: the memory floor
 
 
 # ---- spellings as transformers writes them ---------------------------------------------------------
@@ -134,7 +134,7 @@ def pattern_cases(quick: bool):
 
         return f"SwiGLU {M}x{N}", swiglu, "swiglu", make, 7 * M * N * 2
 
-    cases = [rms(16384, 4096), rope(8, 32, 8, 2048, 128), mlp(16384, 14336)]  # ANCHORS.md
+    cases = [rms(16384, 4096), rope(8, 32, 8, 2048, 128), mlp(16384, 14336)]  # the reference shapes
     if not quick:
         cases += [rms(M, 4096) for M in (1024, 4096, 65536)] + [rms(4096, N) for N in (2048, 8192)]
         cases += [rope(B, 32, 8, 2048, 128) for B in (1, 2)] + [mlp(M, 8192) for M in (4096, 32768)]
@@ -233,7 +233,7 @@ def build(shape, mode):
     if s.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        # as ANCHORS.md's row: r 16 on every linear of the decoder layers
+        # as the peers' published LoRA row: r 16 on every linear of the decoder layers
         lin = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         lc = LoraConfig(r=16, lora_alpha=16, target_modules=lin)
         model = get_peft_model(model, lc)
@@ -303,8 +303,8 @@ def measure_step(shape, mode, steps):
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    # what a step starts from (the weights and the batch; gradients are None): ANCHORS.md counts the
-    # peak above it
+    # what a step starts from (the weights and the batch; gradients are None): the peak is also
+    # reported above it, as the peers' published figures count it
     base = torch.cuda.memory_allocated()
     times = []
     for _ in range(steps):
@@ -386,7 +386,7 @@ def measure_steps_in_turns(
 
 # --no-cache: the step calls the model with use_cache=False (bench_distributed's step). Without it the
 # model's default holds (True): Hugging Face then fills a KV cache in the training forward, as the
-# anchors' bench (ANCHORS.md) and a Trainer without use_cache=False do
+# peers' published benchmark and a Trainer without use_cache=False do
 USE_CACHE = None
 PROFILE_STEPS = 0  # --profile N: also break N steps down by kernel class (after the timed steps)
 KERNEL_CLASSES = ("matmul", "attention", "kernelgraft", "inductor", "other triton", "aten", "copy/fill")
@@ -669,7 +669,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="training-step shapes, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="ANCHORS.md shapes only, no sweep")
+    ap.add_argument("--quick", action="store_true", help="the reference shapes only, no sweep")
     ap.add_argument(
         "--only", default="", help="pattern cases whose name contains one of these (comma-separated)"
     )

@@ -8,7 +8,8 @@ try:
     from hypothesis import HealthCheck, settings
 
     # ci draws the same examples on every run (derandomize): a landing never hangs on a new draw; the
-    # thorough profile draws anew each time, to explore (it found the float32 norm cases of 2026-11-30)
+    # thorough profile draws anew each time, to explore (rare cases such as tests/test_gpu.py's float32
+    # norm cases come from such draws)
     settings.register_profile(
         "ci", max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
     )
@@ -32,8 +33,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seeded():
     """Every test starts from the same global RNG state, whatever ran before it: an unseeded
-    torch.randn no longer depends on the order or selection of tests (one did: a bf16 check that
-    held for 5 seeds in 6 passed alone and failed in the full run)."""
+    torch.randn does not depend on the order or selection of tests (otherwise a bf16 check that holds
+    for 5 seeds in 6 could pass alone and fail in the full run)."""
     torch.manual_seed(0)
 
 

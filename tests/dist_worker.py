@@ -1,5 +1,5 @@
 """Two CPU processes (gloo): the stock model and the optimized one under the same wrapper (DDP or
-FSDP2's fully_shard), each rank on its own batch; every parameter gradient judged by the DESIGN.md
+FSDP2's fully_shard), each rank on its own batch; every parameter gradient judged by the accuracy
 rule against a float64 copy under the same wrapper. Run by tests/test_distributed.py:
 
     python tests/dist_worker.py ddp|fsdp2 PORT      -> one line per rank: "rank R ok N" or "rank R FAIL ..."
@@ -38,7 +38,7 @@ def start(rank, world, port):
 
 
 def failures(truth, eager, mine) -> tuple[list[str], int]:
-    """The DESIGN.md rule on the loss and every gradient: (what fails, how many were judged), from
+    """The accuracy rule on the loss and every gradient: (what fails, how many were judged), from
     (loss, grads) of the float64 truth, the stock model and the optimized one."""
     from kernelgraft.gradcheck import judge
 
@@ -83,14 +83,14 @@ def run(rank, world, how, port):
 def run_recompute(port):
     """One gloo process, DDP with a bucket per parameter (a cut between every matmul), the inductor
     backend: what the forward saves for the backward, with recompute on and off, beside the
-    unwrapped model; and the gradients under DDP against float64 truth (the DESIGN.md rule)."""
+    unwrapped model; and the gradients under DDP against float64 truth (the accuracy rule)."""
     start(0, 1, port)
     sys.path.insert(
         0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     )
-    # transformers 5.17 (the GPU host's) computes the rotary embedding under autocast(enabled=False),
-    # so its graphs hold autocast switches, and split_module then wants the pieces in graph order (on
-    # two H200s the cut failed that check and recompute was lost under DDP): do as 5.17 does here
+    # transformers 5.17 computes the rotary embedding under autocast(enabled=False), so its graphs
+    # hold autocast switches, and split_module then wants the pieces in graph order (a plan that
+    # breaks it is refused, and recompute is lost under DDP): do as 5.17 does here
     from transformers.models.llama import modeling_llama
 
     rotary = modeling_llama.LlamaRotaryEmbedding.forward

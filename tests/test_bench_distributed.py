@@ -71,8 +71,8 @@ def test_more_ranks_than_gpus_is_refused_with_what_to_pass(tmp_path):
 
 
 def test_mode_lists_split_outside_parentheses():
-    # "--modes 'kernelgraft (inductor),kernelgraft (inductor, no recompute)'" once split into a
-    # mode " no recompute)" and the run stopped (a GPU call's phase lost, 2026-11-30)
+    # "--modes 'kernelgraft (inductor),kernelgraft (inductor, no recompute)'" is two modes, not a
+    # third one " no recompute)", which would stop the run
     sys.path.insert(0, str(SCRIPT.parent))
     from benchlib import names
 

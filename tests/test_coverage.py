@@ -1,6 +1,6 @@
 """Coverage matrix: tiny random configs of the decoders people fine-tune (nothing downloaded).
 For each: the sites expected from the model itself equal explain().counts(), and the loss and every
-gradient agree with the stock model by the DESIGN.md rule in fp32 and bf16. The README's
+gradient agree with the stock model by the accuracy rule in fp32 and bf16. The README's
 architecture table is generated from ARCHS and checked here, so it cannot drift:
     python tests/test_coverage.py   # rewrites the table in README.md
 """

@@ -1,5 +1,5 @@
 """optimize() under PyTorch's own data parallelism, on the CPU with gloo: 2 processes, DDP and
-FSDP2 (fully_shard), the same gradients as the stock model under the same wrapper (the DESIGN.md
+FSDP2 (fully_shard), the same gradients as the stock model under the same wrapper (the accuracy
 rule against float64 under that wrapper). The worker is tests/dist_worker.py."""
 
 import re
@@ -32,8 +32,8 @@ def test_optimized_model_under_data_parallel_gives_the_stock_gradients(how):
         # the loss and the 21 parameters of the tiny Llama; every site served: 7 per layer (2 norms,
         # rope's q and k, the MLP, the attention's causal mask, its grouped keys and values) + the
         # final norm and the LM head. DDP: the graph is grafted whole before dynamo cuts it at the
-        # buckets (here one per parameter: cut inside every pattern), 16 sites (12 when each piece
-        # was grafted alone); FSDP2: one graph per layer, which dynamo captures once for both layers
+        # buckets (here one per parameter: cut inside every pattern), 16 sites (12 if each piece
+        # were grafted alone); FSDP2: one graph per layer, which dynamo captures once for both layers
         # (the report counts it once), 9 sites
         assert int(n) == 22 and int(served) == {"ddp": 16, "fsdp2": 9}[how], r.stdout
         assert int(sdpa) == {"ddp": 2, "fsdp2": 1}[how], r.stdout

@@ -1,6 +1,6 @@
 """A whole model under the inductor backend in bf16, judged over many batches.
 
-One batch makes the loss one number and a norm weight's gradient a few dozen: the DESIGN.md rule on
+One batch makes the loss one number and a norm weight's gradient a few dozen: the accuracy rule on
 them is then a draw of the rounding, not a statistic. Over 8 batches (CPU, 2026-11-30) kernelgraft's
 error relative to eager's ranged from 0.05x to 5.8x for the loss of a tiny Qwen3 and from 0.7x to
 1.3x for its norm weights, kernelgraft usually the more accurate. The single-batch failures of Gemma-2

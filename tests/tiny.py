@@ -73,7 +73,8 @@ def loss_and_grads(model, b, truth: bool = False, wrapped=None):
 
 def compare_models(optimized, stock, b, compiled=True):
     """Verdicts for the loss and every parameter gradient of `optimized` vs float64 truth, beside the
-    stock model's eager and torch.compile (inductor) runs in the same dtype: the DESIGN.md rule.
+    stock model's eager and torch.compile (inductor) runs in the same dtype: the accuracy rule
+    (kernelgraft.gradcheck.judge: an error at most 1.1x the larger reference's + 4 float32 eps).
     `b`: a batch, or a list of batches. Over several batches each quantity is judged on all of them
     at once (its values from every batch in one vector): the loss, one number per batch, and a
     small gradient are then statistics of the rounding, not one draw of it."""

@@ -41,7 +41,7 @@ def main(out: str, how: str):
         runs["world_size"] = int(os.environ["WORLD_SIZE"])
         torch.save(runs, out)
     # both ranks leave together, the process group shut down (a rank exiting while gloo's threads
-    # still ran aborted with "terminate called without an active exception", now and then)
+    # still run can abort with "terminate called without an active exception")
     import torch.distributed as dist
 
     if dist.is_initialized():

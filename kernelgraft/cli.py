@@ -188,7 +188,9 @@ def _batch(model, batch: int, seq: int, device="cpu"):
     return torch.randint(0, vocab, (batch, seq), device=device)
 
 
-def explain_model(arch: str | None = DEFAULT_ARCH, model_dir: str | None = None, layers: int = 2, out=None) -> int:
+def explain_model(
+    arch: str | None = DEFAULT_ARCH, model_dir: str | None = None, layers: int = 2, out=None
+) -> int:
     """`kernelgraft explain`: what would be replaced in a tiny random --arch model or a --model checkpoint."""
     out = out or sys.stdout
     torch.manual_seed(0)
@@ -263,7 +265,10 @@ def _add_source(sp: argparse.ArgumentParser) -> None:
         help="a local Hugging Face checkpoint directory (config.json and weights; nothing is downloaded)",
     )
     sp.add_argument(
-        "--layers", type=int, default=2, help="layers of the tiny random model of --arch (default: %(default)s)"
+        "--layers",
+        type=int,
+        default=2,
+        help="layers of the tiny random model of --arch (default: %(default)s)",
     )
 
 
@@ -276,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train a tiny Llama stock vs kernelgraft and compare the loss curves")
-    d.add_argument("--steps", type=int, default=20, help="training steps of each model (default: %(default)s)")
+    d.add_argument(
+        "--steps", type=int, default=20, help="training steps of each model (default: %(default)s)"
+    )
     d.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -318,14 +325,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="eager",
         help="torch.compile backend of the optimized model (default: %(default)s)",
     )
-    au.add_argument("--batch", type=int, default=2, help="sequences in the random batch (default: %(default)s)")
+    au.add_argument(
+        "--batch", type=int, default=2, help="sequences in the random batch (default: %(default)s)"
+    )
     au.add_argument(
         "--seq",
         type=int,
         default=16,
         help="tokens per sequence; the first quarter is a prompt without labels (default: %(default)s)",
     )
-    au.add_argument("--seed", type=int, default=0, help="seed of the random model and batch (default: %(default)s)")
+    au.add_argument(
+        "--seed", type=int, default=0, help="seed of the random model and batch (default: %(default)s)"
+    )
     au.add_argument("--out", metavar="HTML", help="write the HTML report here")
     au.add_argument("--md", metavar="MD", help="write the Markdown report here")
     au.add_argument(

@@ -153,7 +153,7 @@ def test_a_broken_kernel_is_flagged_at_its_sites(monkeypatch):
 
         return no_weight_grad
 
-    monkeypatch.setattr(kernelgraft.kernels, "op_for", broken)
+    monkeypatch.setattr(kernelgraft.gradcheck.model_audit, "op_for", broken)
     rep = kernelgraft.audit(tiny_model("llama"), **batch(), compile_reference=False, lints=False)
     assert not rep.ok
     bad = rep.failures()
@@ -176,7 +176,7 @@ def test_a_less_accurate_kernel_is_flagged(monkeypatch):
             return op
         return lambda gate, up: op(gate, up).bfloat16().float()
 
-    monkeypatch.setattr(kernelgraft.kernels, "op_for", coarse)
+    monkeypatch.setattr(kernelgraft.gradcheck.model_audit, "op_for", coarse)
     rep = kernelgraft.audit(tiny_model("llama"), **batch(), compile_reference=False, lints=False)
     bad = [r for r in rep.failures() if r.pattern.startswith("gated_mlp")]
     assert bad and all(r.what == "out" or r.what.startswith("grad") for r in bad)

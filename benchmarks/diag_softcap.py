@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from kernelgraft.gradcheck.strategies import _values
-from kernelgraft.kernels.lm_head import kernel as lm_kernel
 from kernelgraft.kernels.launching import launch_options
+from kernelgraft.kernels.lm_head import kernel as lm_kernel
 from kernelgraft.patterns import REGISTRY
 
 

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kernelgraft
+from kernelgraft.options import BACKENDS
 from kernelgraft.patterns import REGISTRY
 
 # transformers is imported where a model is built: `kernelgraft --help` does not wait for it
@@ -292,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--backend",
-        choices=["inductor", "eager"],
+        choices=BACKENDS,
         default=None,
         help="torch.compile backend of the kernelgraft model; default: inductor on cuda, eager on cpu "
         "(inductor's CPU compile is slow)",
@@ -321,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     au.add_argument(
         "--backend",
-        choices=["eager", "inductor"],
+        choices=BACKENDS,
         default="eager",
         help="torch.compile backend of the optimized model (default: %(default)s)",
     )

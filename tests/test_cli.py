@@ -95,7 +95,7 @@ def test_every_option_of_every_subcommand_has_help_without_internal_references()
             "audit",
             [
                 "  --dtype {float32,bfloat16,float16}",
-                "  --backend {eager,inductor}",
+                "  --backend {inductor,eager}",
                 "  --batch BATCH         sequences in the random batch (default: 2)",
                 "  --seq SEQ             tokens per sequence; the first quarter is a prompt without labels (default: 16)",
                 "  --seed SEED           seed of the random model and batch (default: 0)",

@@ -91,7 +91,7 @@ def _moves(graph, piece_of) -> dict:
 
 
 def test_ddp_cut_keeps_a_recomputed_call_with_its_readers():
-    # the plan applied while DDPOptimizer cuts a graph (rewriter/backend.py): pieces by number, in
+    # the plan applied while DDPOptimizer cuts a graph (rewriter/ddp.py): pieces by number, in
     # graph order, as DDPOptimizer numbers them
     n = _graph_with_a_recomputed_call()
     g = n["call"].graph

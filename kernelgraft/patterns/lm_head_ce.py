@@ -1,5 +1,5 @@
 """LM head + cross-entropy: `cross_entropy(linear(h, W) [transformed], target)`, served by a fused,
-chunked kernel (kernels/lm_head.py) that never holds the full logits.
+chunked kernel (kernels/lm_head/) that never holds the full logits.
 
 Spellings, as Hugging Face's `ForCausalLMLoss` and hand-written loops write them:
 - the logits upcast with `.float()` (HF), or passed as they are (a plain loop);

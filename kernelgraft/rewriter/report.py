@@ -78,7 +78,7 @@ class RewriteReport:
     graphs: int = 0  # captures seen, recompiles included
     # masks read from graph inputs, checked at run time (attention.MaskCheck: counts of its verdicts)
     mask_checks: list = field(default_factory=list, repr=False, compare=False)
-    # DDP's graph cuts at its gradient buckets (rewriter/backend.py): per cut, the recomputed kernel
+    # DDP's graph cuts at its gradient buckets (rewriter/ddp.py): per cut, the recomputed kernel
     # calls, how many nodes moved to keep them with their readers, and why a plan was dropped if one was
     ddp_cuts: list = field(default_factory=list, repr=False, compare=False)
 

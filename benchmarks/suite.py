@@ -7,9 +7,11 @@ Parts (`--parts`, comma-separated; default all):
              compiled with the kernelgraft backend, "inductor" and "eager"
   lm_head    bench_lm_head.py's measurement (eager, compile, Liger, CCE, kernelgraft)
   steps      one training step (fwd + bwd, no optimizer) of the Llama-3.2-1B shape (8x2048), the
-             Llama-3.1-8B shape (2x4096), a Gemma-2-2B shape (256k vocabulary) and peft LoRA on the
-             1B: eager, torch.compile, kernelgraft (inductor and eager backends), Liger last
+             Llama-3.1-8B shape (2x4096), a Gemma-2-2B shape (256k vocabulary), peft LoRA on the
+             1B and a 135M model (8x1024, where the host is in the loop): eager, torch.compile,
+             kernelgraft (inductor and eager backends), Liger last
   curves     50 AdamW steps of the 1B shape, eager vs kernelgraft: the loss curves
+  decode     bench_decode.py's measurement: greedy generate() of the 1B shape at batch 1 and 8
 
     python benchmarks/suite.py --out DIR [--parts patterns,steps] [--quick]
         -> DIR/suite.json, DIR/suite.md     (on the GPU; its host has no matplotlib)
@@ -216,6 +218,13 @@ SHAPES = {
                  attn_logit_softcapping=None, sliding_window=4096),
     ),
     "llama-1b LoRA 8x2048": dict(arch="llama", B=8, S=2048, lora=True, cfg=None),
+    # a small model, where the host is in the loop: SmolLM-135M's shape
+    "llama-135m 8x1024": dict(
+        arch="llama", B=8, S=1024,
+        cfg=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=10000.0,
+                 tie_word_embeddings=True),
+    ),
 }  # fmt: skip
 SHAPES["llama-1b LoRA 8x2048"]["cfg"] = SHAPES["llama-1b 8x2048"]["cfg"]
 MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)", "liger")
@@ -579,6 +588,10 @@ def markdown(doc) -> str:
             )
             L += ["| op | ms | gaps |", "|---|---|---|"]
             L += [f"| `{r['op']}` | {r['ms']:.2f} | {r['gaps']} |" for r in idle["by_op"]]
+    if doc.get("decode"):
+        import bench_decode
+
+        L.append(bench_decode.markdown(doc["decode"]))
     if doc.get("curves"):
         c = doc["curves"]
         a, b = c.get("eager"), c.get("kernelgraft (inductor)")
@@ -665,7 +678,7 @@ def plot(path):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kernelgraft bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
-    ap.add_argument("--parts", default="patterns,lm_head,steps,curves")
+    ap.add_argument("--parts", default="patterns,lm_head,steps,curves,decode")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="training-step shapes, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=5)
@@ -779,6 +792,11 @@ def main(argv=None) -> int:
             save()
     if "curves" in parts:
         doc["curves"] = loss_curves()
+        save()
+    if "decode" in parts:
+        import bench_decode
+
+        doc["decode"] = bench_decode.run()
         save()
     print(markdown(doc))
     return 0

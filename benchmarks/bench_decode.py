@@ -1,0 +1,193 @@
+"""Greedy decoding, where the host is in the loop: `model.generate()` of a random-weight model of the
+Llama-3.2-1B shape, a 128-token prompt and 64 new tokens at batch 1 and 8, bf16, for eager,
+torch.compile, and kernelgraft (inductor and eager backends), side by side in one process.
+
+Per mode and batch: tokens/s (the median of timed calls after the first), the first call's seconds
+(compiles included), and how many sequences are token for token eager's (random weights make
+near-ties between the top two logits, where any other rounding may pick the other token: the first
+position where a sequence leaves eager's is reported with the gap between eager's top two logits
+there, so a divergence at a near-tie can be told from one that is not).
+
+    python benchmarks/bench_decode.py [--out DIR] [--batches 1,8] [--prompt 128] [--new 64]
+        -> DIR/decode.json, DIR/decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from suite import SHAPES, apply_mode  # noqa: E402
+
+MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)")
+SHAPE = "llama-1b 8x2048"  # the model; the batch and lengths are decoding's own
+
+
+def build(mode: str, cfg: dict | None = None, device: str = "cuda", dtype=torch.bfloat16):
+    """A random-weight Llama (the 1B shape unless `cfg`), in eval mode, as `mode` runs it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", **(cfg if cfg is not None else SHAPES[SHAPE]["cfg"]))
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.eval()
+    return apply_mode(model, mode)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_decode(model, batch: int, prompt: int, new: int, device: str = "cuda", reps: int = 3) -> dict:
+    """Greedy generate() of `new` tokens after a random `prompt`-token prompt, `batch` sequences."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(batch * 1000 + prompt)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        _sync(device)
+        t = time.perf_counter()
+        out = model.generate(ids, **kw)
+        _sync(device)
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            again = model.generate(ids, **kw)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+    med = sorted(times)[len(times) // 2]
+    return dict(
+        tok_s=batch * new / med,
+        first_call_s=first,
+        times_ms=[round(x * 1e3, 2) for x in times],
+        repeatable=bool(torch.equal(out, again)),
+        prompt_tokens=prompt,
+        new_tokens=new,
+        tokens=out[:, prompt:].tolist(),
+        prompt=ids.tolist(),
+    )
+
+
+def top_two_gap(model, prompt: list, tokens: list, at: int, device: str) -> float:
+    """The gap between the top two logits the (eager) model gives after `prompt` + tokens[:at]."""
+    seq = torch.tensor([prompt + tokens[:at]], device=device)
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def agreement(ref: dict, got: dict, eager_model=None, device: str = "cuda") -> dict:
+    """How many of `got`'s sequences are token for token `ref`'s; where one leaves it, the position
+    and (with `eager_model`) the gap between eager's top two logits there."""
+    same, where = 0, []
+    for i, (a, b) in enumerate(zip(ref["tokens"], got["tokens"])):
+        if a == b:
+            same += 1
+            continue
+        at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        gap = top_two_gap(eager_model, ref["prompt"][i], a, at, device) if eager_model is not None else None
+        where.append(dict(sequence=i, position=at, top_two_gap=gap))
+    return dict(identical=same, of=len(ref["tokens"]), diverged=where)
+
+
+def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None, dtype=torch.bfloat16):
+    """Every mode at every batch -> {f"batch {B}": {mode: result}}, eager first (the reference)."""
+    modes = ["eager"] + [m for m in modes if m != "eager"]
+    eager_model = build("eager", cfg, device, dtype)
+    res: dict = {f"batch {B}": {} for B in batches}
+    for mode in modes:
+        try:
+            model = eager_model if mode == "eager" else build(mode, cfg, device, dtype)
+            for B in batches:
+                r = measure_decode(model, B, prompt, new, device)
+                ref = res[f"batch {B}"].get("eager")
+                if ref is not None:
+                    r["agreement"] = agreement(ref, r, eager_model, device)
+                res[f"batch {B}"][mode] = r
+                print(mode, B, {k: v for k, v in r.items() if k not in ("tokens", "prompt")}, flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing mode is reported, the others still run
+            traceback.print_exc()
+            for B in batches:
+                res[f"batch {B}"].setdefault(mode, dict(error=f"{type(e).__name__}: {e}"[:300]))
+        if mode != "eager":
+            del model
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return res
+
+
+def markdown(res: dict) -> str:
+    L = []
+    for key, modes in res.items():
+        lengths = next((r for r in modes.values() if "new_tokens" in r), None)
+        prompt, new = (lengths["prompt_tokens"], lengths["new_tokens"]) if lengths else ("?", "?")
+        eager = modes.get("eager", {}).get("tok_s")
+        comp = modes.get("torch.compile", {}).get("tok_s")
+        L += [
+            f"\n**Greedy decoding, {key}** ({prompt}-token prompt, {new} new tokens)\n",
+            "| mode | tokens/s | vs eager | vs compile | first call s | sequences as eager's |",
+            "|---|---|---|---|---|---|",
+        ]
+        for m, r in modes.items():
+            if "error" in r:
+                L.append(f"| {m} | error: {r['error'][:80]} | | | | |")
+                continue
+            ve = f"{r['tok_s'] / eager:.2f}x" if eager else "-"
+            vc = f"{r['tok_s'] / comp:.2f}x" if comp else "-"
+            a = r.get("agreement")
+            same = "reference" if a is None else f"{a['identical']} of {a['of']}"
+            if a and a["diverged"]:
+                gaps = [d["top_two_gap"] for d in a["diverged"] if d["top_two_gap"] is not None]
+                if gaps:
+                    same += f" (largest top-two gap where one left: {max(gaps):.3g})"
+            L.append(f"| {m} | {r['tok_s']:,.1f} | {ve} | {vc} | {r['first_call_s']:.1f} | {same} |")
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
+    ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode: needs a CUDA GPU (the numbers are GPU timings)", file=sys.stderr)
+        return 2
+    os.makedirs(a.out, exist_ok=True)
+    batches = tuple(int(b) for b in a.batches.split(","))
+    res = run(batches, a.prompt, a.new, tuple(m.strip() for m in a.modes.split(",")))
+    doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), decode=res)
+    json.dump(doc, open(os.path.join(a.out, "decode.json"), "w"), indent=1)
+    md = f"Greedy decoding, bf16, {doc['gpu']}, {doc['date']}\n" + markdown(res)
+    open(os.path.join(a.out, "decode.md"), "w").write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,11 @@
 """Canonicalize: an fx graph (a dynamo capture, or a traced pattern) -> a small DAG of canonical
 ops, so that every spelling of the same math reads the same to the matcher. Calls of the math
 primitives are looked up in the table (primitives.py); the structural ops (casts, views, halves,
-concatenation, linear, cross_entropy) are lowered here; the rewrite rules (RULES) then bring each
+concatenation, linear, cross_entropy) are lowered here; the rewrite rules (rules.py) then bring each
 node to one spelling (x*x and x.pow(2) -> square, 1/sqrt -> rsqrt, cat(-x2, x1) -> rotate_half).
+Views: one to the same shape is dropped; one that merges the leading dims and keeps the last
+(view(-1, V), reshape, flatten(0, 1), sizes) is one node, flatten_rows, however spelled; `.contiguous()`
+is dropped (the values are the same); a slice of the leading dims is row_slice.
 
 The model's fx graph itself is never changed here: canonical nodes point back at the fx nodes they
 cover, and only `replace` edits the graph. Rewrites that would change rounding for code that is not
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 from .graph import CGraph, CNode, DtypeOf
 from .primitives import PRIMITIVES
+from .rules import apply_rules
 
 _CAST_METHODS = {
     "float": torch.float32,
@@ -127,6 +131,9 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return b.new("last_dim", (args[0].args[0],), fx=n)
         if args[0].op == "chunk2" and args[1] in (0, 1):
             return b.new("half", (args[0].args[0],), (("part", args[1]),), fx=n)
+        rows = _row_index(args[0], args[1])
+        if rows is not None:
+            return b.new("row_slice", (args[0],), (("index", rows),), fx=n)
     if (
         target is operator.floordiv
         and isinstance(args[0], CNode)
@@ -151,8 +158,11 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return b.new("linear", (args[0], args[1]), fx=n)
     if target is F.cross_entropy:
         return _cross_entropy(b, n, args, kwargs)
-    if target in ("view", "reshape", torch.reshape) and len(args) >= 2:
-        if _flatten_rows(n, args):
+    if target in _VIEWS and args and isinstance(args[0], CNode):
+        kind = _view_kind(n, args, kwargs)
+        if kind == "identity":
+            return b.alias(n, args[0])
+        if kind == "rows":  # the leading dims merged, the rows unchanged (one form however spelled)
             return b.new("flatten_rows", (args[0],), fx=n)
     if n.op == "call_method" and target in _TRANSPARENT_METHODS:
         return b.alias(n, args[0])
@@ -230,108 +240,64 @@ def _cross_entropy(b, n, args, kwargs) -> CNode:
         ("label_smoothing", float(bound.get("label_smoothing", 0.0) or 0.0)),
         ("legacy", bound.get("size_average") is not None or bound.get("reduce") is not None),
     )
+    # over the last dim of rows (2-D input, or one the view algebra took rows of) - or, for an input
+    # of 3 or more dims, over dim 1 (PyTorch's class dim), which the LM-head kernel does not serve
+    x = n.args[0] if n.args else n.kwargs.get("input")
+    meta = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
+    src = b.of_fx.get(x) if isinstance(x, torch.fx.Node) else None
+    rows = (isinstance(src, CNode) and src.op == "flatten_rows") or (isinstance(meta, torch.Tensor) and meta.dim() <= 2)
+    attrs += (("rows", rows),)
     ins = (bound.get("input"), bound.get("target"), bound.get("ignore_index", -100))
     return b.new("cross_entropy", ins, attrs, fx=n)
 
 
-def _flatten_rows(n: torch.fx.Node, args) -> bool:
-    """x.view(-1, D) / x.reshape(-1, D) where D is x's last dim: rows of the last dim, flattened."""
+def _row_index(x: CNode, index) -> tuple | None:
+    """x[index] where the index takes a slice of the leading dims and the whole last dim (a training
+    loop's shift, logits[:, :-1]): the index with the Ellipsis spelled out, as a tuple of slices over
+    all but the last dim; None for any other index."""
+    meta = x.meta
+    if not isinstance(meta, torch.Tensor) or meta.dim() < 2:
+        return None
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(i is Ellipsis for i in index) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (meta.dim() - len(index) + 1) + index[at + 1 :]
+    index = index + (slice(None),) * (meta.dim() - len(index))
+    bounds_ok = all(isinstance(v, int) or v is None for s in index for v in (s.start, s.stop, s.step))
+    if len(index) != meta.dim() or index[-1] != slice(None) or not bounds_ok:
+        return None
+    lead = index[:-1]
+    return None if all(s == slice(None) for s in lead) else lead
+
+
+_VIEWS = frozenset({"view", "reshape", torch.reshape, "flatten", torch.flatten})
+
+
+def _view_kind(n: torch.fx.Node, args, kwargs) -> str | None:
+    """The view algebra: "identity" (the same shape), "rows" (the leading dims merged into one, the
+    last dim kept: a row-wise op sees the same rows), or None (any other view, kept as it is).
+    x.view(-1, x.shape[-1]) in a traced pattern is rows; in a model graph the shapes dynamo
+    recorded decide, however the view is spelled (view, reshape, flatten, -1 or sizes)."""
     x = args[0]
-    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-    if len(shape) != 2 or shape[0] != -1 or not isinstance(x, CNode):
-        return False
-    if isinstance(shape[1], CNode):  # a traced pattern: x.shape[-1]
-        return shape[1].op == "last_dim" and shape[1].args[0] is x
+    if n.target in ("flatten", torch.flatten):
+        if len(args) > 1 and isinstance(args[1], CNode) or any(isinstance(v, CNode) for v in kwargs.values()):
+            return None
+    else:
+        shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        if len(shape) == 2 and shape[0] == -1 and isinstance(shape[1], CNode):  # a traced pattern
+            return "rows" if shape[1].op == "last_dim" and shape[1].args[0] is x else None
+        if any(isinstance(d, CNode) for d in shape):
+            return None
     src, out = x.meta, n.meta.get("example_value")
-    if src is None or out is None or src.dim() < 1:
-        return False
-    return out.dim() == 2 and src.shape[-1] == out.shape[-1] == shape[1]
-
-
-# ---- rewrite rules: canonical node -> an equivalent canonical spelling, or None ----------------
-# Each rule is one line: when it fires, the node's op and args are replaced in place.
-
-
-def _is(a, op):
-    return isinstance(a, CNode) and a.op == op
-
-
-def _num(a, *values):
-    return isinstance(a, (int, float)) and not isinstance(a, bool) and a in values
-
-
-RULES: list[tuple[str, Any]] = [
-    ("mul", lambda a, b: ("square", (a,)) if a is b else None),  # x*x -> x^2
-    ("pow", lambda a, e: ("square", (a,)) if _num(e, 2) else None),  # x.pow(2) -> x^2
-    ("pow", lambda a, e: ("sqrt", (a,)) if _num(e, 0.5) else None),  # x^0.5 -> sqrt
-    ("pow", lambda a, e: ("rsqrt", (a,)) if _num(e, -0.5) else None),  # x^-0.5 -> rsqrt
-    ("pow", lambda a, e: ("reciprocal", (a,)) if _num(e, -1) else None),  # x^-1 -> 1/x
-    ("div", lambda a, b: ("reciprocal", (b,)) if _num(a, 1) else None),  # 1/x -> reciprocal
-    ("reciprocal", lambda a: ("rsqrt", a.args) if _is(a, "sqrt") else None),  # 1/sqrt(x) -> rsqrt
-    (
-        "div",
-        lambda a, b: ("mul", (a, _fresh("rsqrt", b.args, b))) if _is(b, "sqrt") else None,
-    ),  # a/sqrt(v) -> a*rsqrt(v)
-    (
-        "cat2",
-        lambda a, b: ("rotate_half", (b.args[0],)) if _rotates(a, b) else None,
-    ),  # cat(-x2, x1) -> rotate_half(x)
-]
-
-
-def _rotates(a, b) -> bool:
-    """cat((-x[..., D/2:], x[..., :D/2])): the two halves of one tensor, the second negated."""
-    return (
-        _is(a, "neg")
-        and _is(a.args[0], "half")
-        and a.args[0].attr("part") == 1
-        and _is(b, "half")
-        and b.attr("part") == 0
-        and a.args[0].args[0] is b.args[0]
-    )
-
-
-_pending: list[CNode] = []
-
-
-def _fresh(op, args, covering: CNode) -> CNode:
-    """A canonical node created by a rule, standing for the fx node(s) of `covering`."""
-    n = CNode(op, tuple(args), (), covering.fx, list(covering.cover), name=f"{covering.name}_{op}")
-    _pending.append(n)
-    return n
-
-
-def _apply_rules(b: _Builder, n: CNode) -> None:
-    changed = True
-    while changed:
-        changed = False
-        for op, rule in RULES:
-            if n.op != op:
-                continue
-            out = rule(*n.args)
-            if out is not None:
-                old = n.args
-                n.op, n.args = out
-                _absorb(n, old)
-                for p in _pending:  # nodes a rule created go before the node that uses them
-                    b.nodes.insert(b.nodes.index(n), p)
-                _pending.clear()
-                changed = True
-                break
-
-
-def _absorb(n: CNode, old_args) -> None:
-    """Nodes a rewrite made unreachable from n (the halves and the negation of a rotate_half) are
-    now part of what n stands for: replacing n must remove them too. If anything else reads them,
-    the matcher sees their fx nodes used outside the site and refuses the match."""
-    seen, stack = set(), [a for a in old_args if isinstance(a, CNode)]
-    while stack:
-        d = stack.pop()
-        if id(d) in seen or d.op == "input" or any(d is a for a in n.args):
-            continue
-        seen.add(id(d))
-        n.cover.extend(c for c in d.cover if c not in n.cover)
-        stack.extend(d.inputs())
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return None
+    if tuple(out.shape) == tuple(src.shape):
+        return "identity"
+    if src.dim() >= 2 and out.dim() == 2 and out.shape[-1] == src.shape[-1]:
+        return "rows"
+    return None
 
 
 def _finish(b: _Builder, output) -> CGraph:
@@ -356,7 +322,7 @@ def canonicalize(graph: torch.fx.Graph) -> CGraph:
             continue
         c = _lower_fx_node(b, n)
         b.of_fx.setdefault(n, c)
-        _apply_rules(b, c)
+        apply_rules(b.nodes, c)
         _fold_dtypes(c)
     return _finish(b, None)
 
@@ -392,7 +358,7 @@ def canonicalize_pattern(spelling) -> CGraph:
             kind = "scalar" if n.target in spelling.scalar_names else "tensor"
             c.attrs = (("name", n.target), ("kind", kind))
         b.of_fx.setdefault(n, c)
-        _apply_rules(b, c)
+        apply_rules(b.nodes, c)
     for n in b.nodes:
         if n.op == "cast" and isinstance(n.args[1], CNode) and n.args[1].op == "dtype_of":
             n.args = (n.args[0], DtypeOf(n.args[1].args[0]))

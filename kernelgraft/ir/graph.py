@@ -26,12 +26,17 @@ class CNode:
     cover: list = field(default_factory=list)  # fx nodes this canonical node stands for
     users: list = field(default_factory=list)
     name: str = ""
+    # a value no fx node computes yet, made by a rewrite rule (the rows of h a sliced LM head reads):
+    # its example value, and make(graph, fx_of) -> the fx node computing it, inserted where the graph
+    # inserts now (fx_of: a canonical node -> the fx node that holds its value)
+    value: torch.Tensor | None = None
+    make: object = None
 
     @property
     def meta(self):
         """The example value dynamo recorded (a fake tensor), or None in a traced pattern."""
         if self.fx is None:
-            return None
+            return self.value
         v = self.fx.meta.get("example_value", self.fx.meta.get("val"))
         return v if isinstance(v, torch.Tensor) else None
 

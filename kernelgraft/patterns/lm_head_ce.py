@@ -7,8 +7,11 @@ Spellings, as Hugging Face's `ForCausalLMLoss` and hand-written loops write them
   `num_items_in_batch` (HF with gradient accumulation: a tensor, or a Python number);
 - the logit transform in between: none, Gemma-2/3's softcap `cap * tanh(z / cap)`, Granite's
   `z / logits_scaling`, Cohere's `z * logit_scale`.
-The labels' padding and shift happen before and stay stock code: `target` is whatever
-cross_entropy receives. Class weights, label smoothing and reduction="none" are not spelled here,
+However the logits are taken as rows: 2-D already, `view(-1, V)`, `reshape`, `flatten(0, 1)`
+(canonicalization gives them one form, and the matcher takes rows of 2-D logits as they are); the
+`nn.CrossEntropyLoss` module as the function. A loop that shifts the logits (`logits[:, :-1]`) is
+served on the same rows of h (`linear(h, W)[rows] == linear(h[rows], W)`: ir/rules.py). The
+labels' padding and shift stay stock code: `target` is whatever cross_entropy receives. Class weights, label smoothing and reduction="none" are not spelled here,
 so those sites keep the stock code (explain reports the near miss). In training, the graph's
 `logits` output is withheld (see `kernelgraft.optimize(keep_logits=...)`).
 """

@@ -141,6 +141,10 @@ class Matcher:
             else:
                 self._fail(st, p, m, f"expected {describe_arg(p)}, got {describe(m)}")
             return
+        if p.op == "flatten_rows" and not (isinstance(m, CNode) and m.op == "flatten_rows"):
+            # taking rows is optional: the model's value may be rows already (2-D logits)
+            yield from self.unify(p.args[0], m, st)
+            return
         if not isinstance(m, CNode) or m.op != p.op or m.attrs != p.attrs:
             self._fail(st, p, m, f"expected {describe(p)}, got {describe(m)}")
             return

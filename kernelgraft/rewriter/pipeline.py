@@ -23,7 +23,7 @@ from ..ir import CGraph, canonicalize
 from ..options import Options
 from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
-from .replace import insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
+from .replace import argument_nodes, insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
 from .report import RewriteReport
 
 
@@ -95,7 +95,12 @@ def _serve(g: Graft, m: Match) -> None:
     if not g.dry_run:
         g.entries.append((rec, sp, rewrite(g.gm, m, g.redirect, g.options), None))
         return
-    args = tuple(m.tensors[a].fx if a in m.tensors else m.scalars[a] for a in sp.arg_names)
+    if g.probe is None:  # the graph stays as captured: values no fx node computes stay None
+        nodes = {a: c.fx for a, c in m.tensors.items()}
+    else:
+        with g.gm.graph.inserting_before(m.output.fx):
+            nodes = argument_nodes(g.gm, m, g.redirect)
+    args = tuple(nodes[a] if a in m.tensors else m.scalars[a] for a in sp.arg_names)
     g.entries.append((rec, sp, m.output.fx, args))
     if g.probe is not None:
         insert_probe(g.gm, g.probe, rec, sp, m.output.fx, args)

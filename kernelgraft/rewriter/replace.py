@@ -47,6 +47,23 @@ def refusal(m: Match, options, training: bool) -> str | None:
     return family_of(sp).refusal(sp, metas, options.rounding, options, training)
 
 
+def argument_nodes(gm: torch.fx.GraphModule, m: Match, redirect: dict) -> dict:
+    """The fx node holding each tensor argument of the match: the node bound (or the one now
+    standing for it), or, for a value a rewrite rule made (h[:, :-1] under a sliced LM head), a
+    new node computing it, inserted where the graph inserts now."""
+    made: dict = {}
+
+    def fx_of(c):
+        if c.fx is not None:
+            return redirect.get(c.fx, c.fx)
+        if id(c) not in made:
+            made[id(c)] = c.make(gm.graph, fx_of)
+            made[id(c)].meta["example_value"] = c.value
+        return made[id(c)]
+
+    return {name: fx_of(c) for name, c in m.tensors.items()}
+
+
 def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torch.fx.Node:
     """The match's subgraph -> a single call to its op (returned); `redirect` maps each replaced output
     to the node that now stands for it, for later sites that read it."""
@@ -59,14 +76,12 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
     recompute = bool(sp.recompute and options.recompute and read_on)
     family = family_of(sp)
     op = family.op(sp, options.rounding, recompute=recompute)
-    named = {
-        a: m.scalars[a] if a in sp.scalar_names else redirect.get(m.tensors[a].fx, m.tensors[a].fx)
-        for a in sp.arg_names
-    }
-    args = op.bind(named, {n: c.meta for n, c in m.tensors.items()}, options)
     out_fx = m.output.fx
     g = gm.graph
     with g.inserting_before(out_fx):
+        tensors = argument_nodes(gm, m, redirect)
+        named = {a: m.scalars[a] if a in sp.scalar_names else tensors[a] for a in sp.arg_names}
+        args = op.bind(named, {n: c.meta for n, c in m.tensors.items()}, options)
         call = g.call_function(op.fwd, tuple(args))
         new = g.call_function(operator.getitem, (call, 0))
     for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):

@@ -1,0 +1,116 @@
+"""The LM head + loss is found however a training loop writes it (the view algebra of ir/canonicalize.py:
+identity views dropped, view/reshape/flatten to rows one form, the shift of the logits moved onto h),
+and the served model's loss and gradients pass the accuracy rule against float64 truth beside eager."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgraft
+from kernelgraft.gradcheck import Float64Everywhere, judge
+
+V, H = 96, 32
+
+
+class Loop(torch.nn.Module):
+    """A hand-written model and loss, its loss spelled as `how` says."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb = torch.nn.Embedding(V, H)
+        self.head = torch.nn.Linear(H, V, bias=False)
+        self.ce = torch.nn.CrossEntropyLoss()
+
+    def forward(self, ids, y):
+        h, how = self.emb(ids), self.how
+        if how == "2-D logits, no view":
+            return F.cross_entropy(self.head(h.view(-1, H)), y.view(-1))
+        z = self.head(h)
+        if how == "view(-1, V)":
+            return F.cross_entropy(z.view(-1, z.size(-1)), y.view(-1))
+        if how == "reshape(-1, V)":
+            return F.cross_entropy(z.reshape(-1, V), y.reshape(-1))
+        if how == "flatten(0, 1)":
+            return F.cross_entropy(z.flatten(0, 1), y.flatten())
+        if how == "view(B * S, V)":
+            return F.cross_entropy(z.view(z.shape[0] * z.shape[1], V), y.view(-1))
+        if how == "nn.CrossEntropyLoss":
+            return self.ce(z.view(-1, V), y.view(-1))
+        if how == "upcast, contiguous":
+            return F.cross_entropy(z.float().contiguous().view(-1, V), y.view(-1))
+        if how == "shift in the loop":
+            return F.cross_entropy(z[:, :-1].contiguous().view(-1, V), y[:, 1:].contiguous().view(-1))
+        if how == "shift, upcast":
+            return F.cross_entropy(z[..., :-1, :].float().reshape(-1, V), y[..., 1:].reshape(-1))
+        if how == "upcast, then shift":
+            return F.cross_entropy(z.float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+        raise ValueError(how)
+
+
+SPELLINGS = [
+    "2-D logits, no view",
+    "view(-1, V)",
+    "reshape(-1, V)",
+    "flatten(0, 1)",
+    "view(B * S, V)",
+    "nn.CrossEntropyLoss",
+    "upcast, contiguous",
+    "shift in the loop",
+    "shift, upcast",
+    "upcast, then shift",
+]
+
+
+def _run(model, ids, y, truth=False):
+    ctx = Float64Everywhere() if truth else torch.enable_grad()
+    with ctx:
+        loss = model(ids, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("how", SPELLINGS)
+def test_every_loss_spelling_is_served_and_passes_the_rule(how, dtype):
+    torch.manual_seed(0)
+    stock = Loop(how).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (4, 17), generator=g)
+    y = torch.randint(0, V, (4, 17), generator=g)
+    y[:, ::5] = -100
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    truth = _run(copy.deepcopy(stock).double(), ids, y, truth=True)
+    eager = _run(stock, ids, y)
+    got = _run(mine, ids, y)
+    assert mine.kernelgraft_report.counts() == {"lm_head_ce": 1}, str(mine.kernelgraft_report)
+    verdicts = [judge("loss", truth[0], got[0], eager[0])]
+    verdicts += [judge(f"grad {n}", truth[1][n], got[1][n], eager[1][n]) for n in truth[1]]
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+
+
+def test_a_loss_over_the_class_dim_of_3d_logits_is_not_taken_for_rows():
+    # cross_entropy of (B, V, S) logits reads classes along dim 1: not the LM head's rows
+    class ClassDim(Loop):
+        def forward(self, ids, y):
+            return F.cross_entropy(self.head(self.emb(ids)).transpose(1, 2), y)
+
+    ids = torch.randint(0, V, (2, 5))
+    stock = ClassDim("-")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    assert "lm_head_ce" not in kernelgraft.explain(ClassDim("-"), ids, ids).counts()
+    torch.testing.assert_close(mine(ids, ids), stock(ids, ids), rtol=0, atol=0)
+
+
+def test_the_shift_is_moved_onto_h_and_audited_there():
+    # the served site reads h[:, :-1] (a node the rewrite adds), not the full logits; the audit's
+    # probe records the site's arguments through the same node
+    ids = torch.randint(0, V, (2, 7))
+    mine = kernelgraft.optimize(Loop("shift in the loop"), backend="eager")
+    mine(ids, ids)
+    assert [s.shapes["h"] for s in mine.kernelgraft_report.sites] == [(2, 6, H)]
+    rep = kernelgraft.audit(Loop("shift in the loop"), ids, ids, compile_reference=False, lints=False)
+    assert [r.shapes for r in rep.sites if r.what == "out"] == ["h[2, 6, 32], weight[96, 32], target[12]"]
+    assert rep.ok, rep.to_markdown()

@@ -148,7 +148,7 @@ def markdown(res: dict) -> str:
         comp = modes.get("torch.compile", {}).get("tok_s")
         L += [
             f"\n**Greedy decoding, {key}** ({prompt}-token prompt, {new} new tokens)\n",
-            "| mode | tokens/s | vs eager | vs compile | first call s | sequences as eager's |",
+            "| mode | tokens/s | vs eager | vs compile | first generate() s | sequences as eager's |",
             "|---|---|---|---|---|---|",
         ]
         for m, r in modes.items():

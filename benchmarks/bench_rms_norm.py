@@ -79,7 +79,7 @@ def measure(M, N, dtype=torch.bfloat16):
 
 
 def kernel_times(fn, iters=20) -> dict:
-    """Device time per call of each CUDA kernel fn launches (torch.profiler), in microseconds."""
+    """Device time per launch of each CUDA kernel fn launches (torch.profiler), in microseconds."""
     return {k[:60]: round(ms * 1e3, 1) for ms, _, k in profile_kernels(fn, iters) if ms > 0}
 
 

@@ -79,7 +79,7 @@ def saved_bytes(model: torch.nn.Module, loss_fn) -> int:
 
 
 def profile_idle(step, synchronize, cuda: bool = True) -> dict:
-    """One call of `step` under torch.profiler with host activity (and the device's if `cuda`):
+    """One run of `step` under torch.profiler with host activity (and the device's if `cuda`):
     its wall time, and idle_by_launcher of its trace (by_op as dicts, for JSON)."""
     import json
     import os
@@ -111,7 +111,7 @@ def idle_by_launcher(trace: dict, min_gap_us: float = 2.0, top: int = 12) -> dic
 
     Every gap of at least `min_gap_us` between one device event's end and the next one's start is
     charged to the host op that launched the next: the innermost `kernelgraft::` op around its launch
-    call if there is one, else the innermost op. -> {idle_ms, gaps, by_op: [(ms, count, op)]}, the
+    launch if there is one, else the innermost op. -> {idle_ms, gaps, by_op: [(ms, count, op)]}, the
     largest `top` first, with busy_ms (the time some device event ran) and span_ms (first device
     event's start to last one's end). The profiler's own host cost inflates the gaps; their places
     are what counts.

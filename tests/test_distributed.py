@@ -45,7 +45,7 @@ def test_optimized_model_under_data_parallel_gives_the_stock_gradients(how):
 
 def test_recompute_survives_ddp_cutting_the_graph():
     # DDPOptimizer compiles each piece of the cut graph on its own; an output read in a later piece
-    # is that piece's input, saved. kernelgraft keeps each recomputed kernel call in one piece with
+    # is that piece's input, saved. kernelgraft keeps each recomputed kernel in one piece with
     # the ops that read its outputs (the gated MLP and its down projection; a norm and the q, k, v
     # or gate and up projections; the final norm, sliced, and the LM head). Here every matmul is a
     # piece of its own, the worst case (ddp_piece_mb=None), and then a few pieces (optimize's

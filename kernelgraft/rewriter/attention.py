@@ -22,7 +22,7 @@ That is the case wherever the mask crosses a graph boundary (FSDP2 captures one 
 layer: the mask arrives as an input; DDP's graph, cut at its gradient buckets, is grafted whole
 before the cut, see backend.py) and where a mask is built from the batch's own `attention_mask`.
 When the producers read graph inputs (tensors) and nothing else impure, and the sizes are static,
-that SDPA call is rewritten as above, and the backend (backend.py) runs
+that SDPA site is rewritten as above, and the backend (backend.py) runs
 the graph only after `MaskCheck.holds` has evaluated the mask from those inputs and found it equal to
 the causal mask (one device synchronization; the verdict is kept for the same input tensors while
 they live and are not written to: one check per forward, shared by every graph the mask reaches).
@@ -63,7 +63,7 @@ def _is_sdpa(n: torch.fx.Node) -> bool:
 
 
 def has_input_masks(gm: torch.fx.GraphModule) -> bool:
-    """Whether an SDPA call in the graph has a mask that reads graph inputs (that make_causal(...,
+    """Whether an SDPA site of the graph has a mask that reads graph inputs (that make_causal(...,
     runtime=True) checks at run time; the backend then keeps a copy of the graph for a failed
     check). A walk of the producers, nothing evaluated."""
     for n in gm.graph.nodes:

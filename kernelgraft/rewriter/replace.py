@@ -65,7 +65,7 @@ def argument_nodes(gm: torch.fx.GraphModule, m: Match, redirect: dict) -> dict:
 
 
 def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torch.fx.Node:
-    """The match's subgraph -> a single call to its op (returned); `redirect` maps each replaced output
+    """The match's subgraph -> a single op call (returned); `redirect` maps each replaced output
     to the node that now stands for it, for later sites that read it."""
     sp = m.spelling
     # recompute only an output the graph reads on: one that only leaves the graph is never saved for
@@ -156,7 +156,7 @@ def plan_pairs(entries: list, dry_run: bool) -> list[tuple]:
 
 
 def pair_launches(gm: torch.fx.GraphModule, pairs: list, rounding: str) -> None:
-    """A paired custom-op call in place of each two single ones."""
+    """A paired custom-op launch in place of each two single ones."""
     g = gm.graph
     for (r0, sp, c0, _), (r1, _, c1, _), (_, _, at, _) in pairs:
         pair = family_of(sp).pair_op(sp, rounding)

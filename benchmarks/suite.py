@@ -252,10 +252,12 @@ def build(shape, mode):
 def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
     ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
-    recompute", "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
+    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
+    elif mode == "torch.compile (reduce-overhead)":
+        model.compile(mode="reduce-overhead")
     elif mode.startswith("kernelgraft"):
         import kernelgraft
 
@@ -270,6 +272,8 @@ def apply_mode(model, mode: str):
         kernelgraft.optimize(
             model,
             backend="eager" if "(eager" in mode else "inductor",
+            mode="reduce-overhead" if "reduce-overhead" in mode else None,
+            launch="host" if "host launch" in mode else "inductor",
             lm_head_accumulate=acc,
             **piece,
             recompute=False
@@ -297,7 +301,11 @@ def measure_step(shape, mode, steps):
 
     cache = {} if USE_CACHE is None else {"use_cache": USE_CACHE}
 
+    graphs = "reduce-overhead" in mode  # CUDA graphs: each step is a new iteration of the graphs
+
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids, **cache).loss
         host_fwd.append(time.perf_counter() - t0)
@@ -363,6 +371,8 @@ def measure_steps_in_turns(
             model = build_fn(shape, mode)
 
             def step():
+                if "reduce-overhead" in mode:  # CUDA graphs: each step a new iteration of them
+                    torch.compiler.cudagraph_mark_step_begin()
                 loss = model(input_ids=ids, labels=ids, **cache).loss
                 loss.backward()
                 model.zero_grad(set_to_none=True)

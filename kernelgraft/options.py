@@ -11,6 +11,10 @@ from dataclasses import dataclass
 BACKENDS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "weight")  # the LM head's weight-gradient sum: in float32, or in the weight's dtype
 DDP_PIECE_MB = 100.0  # the least parameter size of a piece of a DDP-wrapped graph (MiB)
+# torch.compile's modes (inductor backend); the last two run under CUDA graphs
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+LAUNCHES = ("inductor", "host")  # who launches the kernels under inductor: its generated code, or ours
 
 
 @dataclass(frozen=True)
@@ -33,10 +37,21 @@ class Options:
     causal_attention: bool = True
     recompute: bool | str = True  # True, False or "separate"
     ddp_piece_mb: float | None = DDP_PIECE_MB
+    mode: str | None = None  # torch.compile's mode; None: "default"
+    launch: str = "inductor"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"kernelgraft: backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"kernelgraft: mode must be one of {MODES} or None, got {self.mode!r}")
+        if self.mode not in (None, "default") and self.backend != "inductor":
+            raise ValueError(
+                f"kernelgraft: mode={self.mode!r} is inductor's; with backend={self.backend!r} leave "
+                "mode at None, or use backend='inductor'"
+            )
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"kernelgraft: launch must be one of {LAUNCHES}, got {self.launch!r}")
         if not isinstance(self.recompute, bool) and self.recompute != "separate":
             raise ValueError(
                 f"kernelgraft: recompute must be True, False or 'separate', got {self.recompute!r}"
@@ -68,6 +83,18 @@ class Options:
     def fuse_recompute(self) -> bool:
         """Recomputed outputs made by the sites' backward kernels (recompute=True, inductor)."""
         return self.recompute is True and self.backend == "inductor"
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The compiled graphs run under CUDA graphs (mode "reduce-overhead" or "max-autotune"):
+        nothing grafted may then read a value on the host or keep state outside the graph."""
+        return self.mode in CUDA_GRAPH_MODES
+
+    @property
+    def inductor_launches(self) -> bool:
+        """Inductor's generated code launches the kernels (where their arguments allow it: CUDA,
+        static sizes; rewriter/lowering.py)."""
+        return self.backend == "inductor" and self.launch == "inductor"
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)

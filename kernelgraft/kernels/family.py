@@ -4,8 +4,8 @@ A spelling names the family that serves it (`@pattern(..., kernel="row")`). A fa
 
 - `refusal(spelling, metas, rounding, options, training)`: why it cannot serve a site with these
   argument metas (a reason string), or None;
-- `op(spelling, rounding, recompute)`: the torch.library custom op that computes the spelling,
-  with its gradients; the op's `bind(args, metas, options)` gives the call's arguments from the
+- `op(spelling, rounding, recompute, options)`: the torch.library custom op that computes the
+  spelling, with its gradients (options: the user's, where the op depends on them); the op's `bind(args, metas, options)` gives the call's arguments from the
   matched ones (fx nodes and numbers by argument name);
 - `source(spelling, dtype)`: the Triton source it generates, for people to read;
 - `pair_op(spelling, rounding)`: an op serving two sites in one launch, where it has one;
@@ -52,7 +52,7 @@ class Family:
     def refusal(self, spelling, metas: dict, rounding: str, options, training: bool) -> str | None:
         raise NotImplementedError
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False):
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None):
         raise NotImplementedError
 
     def source(self, spelling, dtype: torch.dtype) -> KernelSource:
@@ -112,12 +112,27 @@ def defined_ops() -> list:
     return list(_OPS.values())
 
 
-def define(name: str, impl, fake, schema: str):
+# op overload -> its implementation, where that implementation can be traced for inductor (its
+# Triton launches recorded, launching.traced_launches): the rewriter's lowering pass puts it in the
+# compiled graph in place of the op call, so inductor's generated code makes the launches
+_TRACEABLE: dict[object, object] = {}
+
+
+def define(name: str, impl, fake, schema: str, traceable: bool = False):
     """kernelgraft::<name>, functional, from its implementation, fake implementation and schema ->
-    (its CustomOpDef, for an autograd registration; its default OpOverload, to call)."""
+    (its CustomOpDef, for an autograd registration; its default OpOverload, to call). traceable:
+    `impl` runs under launching.traced_launches() on fake tensors, its launches recorded."""
     op = torch.library.custom_op(f"kernelgraft::{name}", impl, mutates_args=(), schema=schema)
     op.register_fake(fake)
-    return op, getattr(torch.ops.kernelgraft, name).default
+    overload = getattr(torch.ops.kernelgraft, name).default
+    if traceable:
+        _TRACEABLE[overload] = impl
+    return op, overload
+
+
+def traceable_impl(target):
+    """The traceable implementation of op overload `target` (see define), or None."""
+    return _TRACEABLE.get(target)
 
 
 def schema_args(spelling) -> str:

@@ -3,6 +3,8 @@ and the integer helpers of launch grids (host-side: cheap on every call)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -13,7 +15,6 @@ def pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
 
 
 def launch_options(rounding: str, dtypes, device_type: str) -> dict:
@@ -28,3 +29,38 @@ def launch_options(rounding: str, dtypes, device_type: str) -> dict:
     if device_type == "cuda" and rounding == "autograd" and low:
         return {"enable_fp_fusion": False}
     return {}
+
+
+# ---- launched by inductor: the launcher traced into the compiled graph --------------------------
+
+_TRACING: list[bool] = []
+
+
+@contextlib.contextmanager
+def traced_launches():
+    """Inside the block the launchers are traced, not run (the rewriter's lowering pass makes an fx
+    graph of them for inductor): each Triton launch is recorded as torch's user-defined-kernel
+    call (torch.library.wrap_triton), which inductor's generated code then makes itself, with the
+    grid, block sizes and strides the launcher decided for these shapes. No kernel runs and none
+    is marked failed while tracing: an error leaves the op to launch from the host."""
+    _TRACING.append(True)
+    try:
+        yield
+    finally:
+        _TRACING.pop()
+
+
+def tracing() -> bool:
+    return bool(_TRACING)
+
+
+def launcher(fn):
+    """`fn` (a Triton kernel) as the launcher calls it: itself, or while tracing, wrapped for it."""
+    if _TRACING:
+        return torch.library.wrap_triton(fn)
+    return fn
+
+
+class NotTraceable(Exception):
+    """A launch that cannot be recorded for inductor (a failed kernel's fallback, say): the op is
+    left to launch from the host."""

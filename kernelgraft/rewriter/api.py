@@ -25,6 +25,8 @@ def optimize(
     causal_attention: bool = Options.causal_attention,
     recompute: bool | str = Options.recompute,
     ddp_piece_mb: float | None = Options.ddp_piece_mb,
+    mode: str | None = Options.mode,
+    launch: str = Options.launch,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object. The
     options are kernelgraft.Options' (validated there, with their defaults).
@@ -56,6 +58,12 @@ def optimize(
     its own; kernelgraft cuts at pieces of at least this many MiB of parameters (DDP's
     `bucket_cap_mb` where larger) to spend less host time per step. DDP's buckets are unchanged and
     still all-reduced while the backward goes on. None: at DDP's buckets, as torch.compile does.
+    `mode` is torch.compile's (inductor backend): "reduce-overhead" runs the compiled graphs,
+    kernelgraft's kernels inside, under CUDA graphs (the LM head then makes its gradients in the
+    backward, reading the loss's gradient on the GPU: one more logits matmul, no host sync).
+    `launch` (inductor backend, CUDA): "inductor" (default) has inductor's generated code launch
+    the kernels, their grids and strides fixed when the graph compiles (rewriter/lowering.py);
+    "host" launches them from kernelgraft's Python launcher on every call (the eager backend's way).
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -72,6 +80,8 @@ def optimize(
         causal_attention=bool(causal_attention),
         recompute=recompute,
         ddp_piece_mb=ddp_piece_mb,
+        mode=mode,
+        launch=launch,
     )
     grafter = Grafter(patterns=patterns, options=options)
     # what Module.compile does, through an entry function of this model's own (see fresh_entry)

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..options import Options
 from ..patterns import REGISTRY, Spelling
-from . import attention, ddp, recompute
+from . import attention, ddp, lowering
 from .pipeline import graft
 from .report import RewriteReport
 
@@ -104,12 +104,20 @@ class Grafter:
         if self.options.backend == "inductor" and not self.dry_run:
             # torch's own modules, imported on first use: inductor is slow to import
             from torch._inductor import config as inductor_config
+            from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
-            patches = {}
-            if self.options.fuse_recompute:  # not "separate": made by the backward kernels
+            o = self.options
+            # torch.compile(mode=...)'s inductor settings (CUDA graphs for "reduce-overhead")
+            patches = dict(list_mode_options(o.mode)) if o.mode not in (None, "default") else {}
+            if o.fuse_recompute or o.inductor_launches:
                 key = "post_grad_custom_post_pass"
-                patches[key] = recompute.RecomputePass(chained=getattr(inductor_config, key))
+                patches[key] = lowering.PostGradPass(
+                    chained=getattr(inductor_config, key),
+                    fuse_recompute=o.fuse_recompute,  # not "separate": made by the backward kernels
+                    launch=o.inductor_launches,
+                    launches=self.report.launched_by,
+                )
             return compile_fx(gm, example_inputs, config_patches=patches or None)
         return gm.forward
 

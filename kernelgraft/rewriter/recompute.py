@@ -25,7 +25,6 @@ import torch
 import torch.fx as fx
 
 from ..kernels import FAMILIES
-from ..kernels.rows import ops
 
 
 def _sites() -> tuple[dict, dict]:
@@ -130,31 +129,3 @@ def fuse_recomputed_outputs(graph: fx.Graph) -> int:
             graph.erase_node(f)
         done += 1
     return done
-
-
-try:  # inductor's interface for a pass it keys its caches by (torch >= 2.5)
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-except ImportError:  # pragma: no cover - older torch: a plain callable, caching bypassed
-    CustomGraphPass, get_hash_for_files = object, None
-
-
-class RecomputePass(CustomGraphPass):
-    """fuse_recomputed_outputs as inductor's post-grad pass, after any the user set (`chained`)."""
-
-    def __init__(self, chained=None):
-        self.chained = chained
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.chained is not None:
-            self.chained(graph)
-        fuse_recomputed_outputs(graph)
-
-    def uuid(self):
-        if get_hash_for_files is None:
-            return None
-        theirs = None
-        if self.chained is not None:
-            theirs = self.chained.uuid() if hasattr(self.chained, "uuid") else None
-            if theirs is None:
-                return None  # a pass inductor cannot key: no caching, as without us
-        return (get_hash_for_files((__file__, ops.__file__)), ops.ABI, theirs)

@@ -75,7 +75,7 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
     read_on = any(u.op != "output" for u in m.output.fx.users)
     recompute = bool(sp.recompute and options.recompute and read_on)
     family = family_of(sp)
-    op = family.op(sp, options.rounding, recompute=recompute)
+    op = family.op(sp, options.rounding, recompute=recompute, options=options)
     out_fx = m.output.fx
     g = gm.graph
     with g.inserting_before(out_fx):

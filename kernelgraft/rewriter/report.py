@@ -81,6 +81,9 @@ class RewriteReport:
     # DDP's graph cuts at its gradient buckets (rewriter/ddp.py): per cut, the recomputed kernel
     # calls, how many nodes moved to keep them with their readers, and why a plan was dropped if one was
     ddp_cuts: list = field(default_factory=list, repr=False, compare=False)
+    # kernel op calls in inductor's compiled graphs (rewriter/lowering.py): "inductor" for those its
+    # generated code launches, "host: <why>" for those left to the Python launcher
+    launched_by: Counter = field(default_factory=Counter, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:
         """Pattern name -> number of sites replaced."""
@@ -129,6 +132,11 @@ class RewriteReport:
             out.append(
                 f"attention masks read from graph inputs, checked at run time: {len(self.mask_checks)} "
                 f"(causal in {yes} of {yes + no} checks; a mask that is not runs as written)"
+            )
+        if self.launched_by:
+            out.append(
+                "kernel calls in compiled graphs: "
+                + ", ".join(f"{v} launched by {k}" for k, v in sorted(self.launched_by.items()))
             )
         if self.masks_kept:
             out.append(f"attention masks kept as written ({len(self.masks_kept)}):")

@@ -21,8 +21,9 @@ class LMHeadFamily(Family):
     def refusal(self, spelling, metas: dict, rounding: str, options=None, training: bool = True) -> str | None:
         return refusal(spelling, metas, rounding, training)
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False) -> LMHeadOp:
-        return op_for(spelling, rounding)
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None) -> LMHeadOp:
+        # under CUDA graphs the gradients are made in the backward (nothing read on the host)
+        return op_for(spelling, rounding, deferred=bool(options is not None and options.cuda_graphs))
 
     def source(self, spelling, dtype: torch.dtype) -> KernelSource:
         tf = transform.transform(spelling, dtype, "autograd", rounds_as("cpu"))

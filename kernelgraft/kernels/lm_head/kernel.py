@@ -206,9 +206,10 @@ def forward(
     chunk,
     accumulate,
     rounding,
-    grad_scale: float = 1.0,
+    grad_scale: float | torch.Tensor = 1.0,
 ):
-    """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale`, empty where not needed."""
+    """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale` (a number, or a tensor of one
+    value on the device), empty where not needed."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     for name, t in (("h", h), ("weight", W)):
@@ -234,6 +235,8 @@ def forward(
     losses = torch.empty(T, dtype=torch.float32, device=dev)
     # mean: over the labels counted; HF's sum / num_items_in_batch: over what the caller counted
     denom = (t != int(ignore_index)).sum().to(torch.float32) if divisor is None else divisor
+    if isinstance(grad_scale, torch.Tensor):  # the loss gradient, read on the device (no host sync)
+        grad_scale = grad_scale.to(torch.float32)
     scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
     dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32

@@ -30,7 +30,7 @@ def reference(spelling, named: dict, needs_h: bool, needs_w: bool, grad_scale: f
     if not diff:
         with torch.no_grad():
             return spelling.fn(*(named[a] for a in spelling.arg_names)), h.new_empty(0), W.new_empty(0)
-    loss, got = spelling_vjp(spelling, named, diff, lambda y: torch.full_like(y, grad_scale))
+    loss, got = spelling_vjp(spelling, named, diff, lambda y: torch.ones_like(y) * grad_scale)
     return loss, got.get("h", h.new_empty(0)), got.get("weight", W.new_empty(0))
 
 
@@ -89,13 +89,16 @@ class LMHeadOp:
         )
 
 
-def op_for(spelling, rounding: str = "autograd") -> LMHeadOp:
-    """The fused LM head's op for `spelling`, defined on first use."""
-    name = op_name(spelling, f"__{rounding}", ABI)
-    return cached_op(name, lambda: _define(spelling, name, rounding))
+def op_for(spelling, rounding: str = "autograd", deferred: bool = False) -> LMHeadOp:
+    """The fused LM head's op for `spelling`, defined on first use. deferred: the gradients are
+    made in the backward, for the loss gradient it is given (read on the device): for CUDA
+    graphs, where no value may be read on the host and nothing kept outside the graph (the
+    stash). It costs one more logits matmul per chunk than making them in the forward."""
+    name = op_name(spelling, f"__{rounding}" + ("__deferred" if deferred else ""), ABI)
+    return cached_op(name, lambda: _define(spelling, name, rounding, deferred))
 
 
-def _define(sp, name: str, rounding: str) -> LMHeadOp:
+def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
     names = list(sp.arg_names)
     n_args = len(names)
     tf_scalars = None
@@ -136,13 +139,17 @@ def _define(sp, name: str, rounding: str) -> LMHeadOp:
         )
 
     def impl(*args):
+        if deferred:  # the loss only; the backward makes the gradients (the second output: unused)
+            loss, _, _ = run((*args[:n_args], False, False, *args[n_args + 2 :]))
+            return loss, loss.new_empty(0)
         loss, dh, dW = run(args)
         return loss, _stash(dh, dW)
 
     def fake(*args):
         named, _, _, _, _ = unpack(args)
         h, W = named["h"], named["weight"]
-        return h.new_empty((), dtype=_out_dtype(sp, W.dtype)), _ticket_like()
+        loss = h.new_empty((), dtype=_out_dtype(sp, W.dtype))
+        return loss, (loss.new_empty(0) if deferred else _ticket_like())
 
     tensor_idx = [i for i, a in enumerate(names) if a not in sp.scalar_names]
     schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
@@ -157,6 +164,12 @@ def _define(sp, name: str, rounding: str) -> LMHeadOp:
     h_idx, w_idx = names.index("h"), names.index("weight")
 
     def bwd_impl(g, ticket, *args):
+        if deferred:  # g stays on the device: folded in where the softmax gradient rounds
+            _, dh, dW = run(args, grad_scale=g)
+            return dh, dW
+        return stashed_bwd(g, ticket, *args)
+
+    def stashed_bwd(g, ticket, *args):
         """The gradients for the loss's incoming gradient g, from the ones the forward made for 1.
         Scaling by a power of two (1 in plain training, a loss scale) is exact and done in place;
         any other g, or a second backward through a retained graph (the stash was handed out),

@@ -35,7 +35,7 @@ class RowFamily(Family):
             return f"kernel generation failed: {type(e).__name__}: {e}"
         return None
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False) -> GraftedOp:
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None) -> GraftedOp:
         return op_for(spelling, rounding, recompute)
 
     def pair_op(self, spelling, rounding: str = "autograd") -> GraftedOp:

@@ -9,7 +9,7 @@ import torch
 
 from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
-from ..launching import cdiv
+from ..launching import NotTraceable, cdiv, launcher, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
 from .codegen import GROUPS
 from .layout import (
@@ -48,6 +48,7 @@ def forward_group(
         )
     k = kernel_for(spelling, groups[0], rounding)
     if has_failed(k.spec.name, dev_type(groups)):
+        _untraced(k)
         return [_reference_forward(spelling, a, k) for a in arg_sets]
     C = flat_cut(k.elementwise, groups)
     if C:
@@ -86,12 +87,14 @@ def forward_group(
     cfg = config(max(g.lay.M for g in groups), N, dev, sums_columns=False, reduces=bool(k.spec.reductions))
     grid = (sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
     try:
-        k.fn(_entry("fwd", len(groups)), dev)[grid](
+        launcher(k.fn(_entry("fwd", len(groups)), dev))[grid](
             *shared, *scalars, *gargs, N, float(N), **cfg, **k.options(dev)
         )
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: the stock code runs
+        if tracing():
+            raise
         _failed(k, dev, e)
         return [_reference_forward(spelling, a, k) for a in arg_sets]
     return results
@@ -163,6 +166,7 @@ def backward_group(
         return res
 
     if has_failed(k.spec.name, dev_type(groups)):
+        _untraced(k)
         return reference()
     C = flat_cut(k.elementwise, groups, extra=grads)
     if C:
@@ -234,10 +238,12 @@ def backward_group(
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
         try:
-            k.fn(_entry("bwdo" if with_out else "bwd", len(groups)), dev)[(nprog,)](
+            launcher(k.fn(_entry("bwdo" if with_out else "bwd", len(groups)), dev))[(nprog,)](
                 *shared, *gargs, N, float(N), **cfg, **flags, **k.options(dev)
             )
         except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
+            if tracing():
+                raise
             _failed(k, dev, e)
             return reference()
     out = []
@@ -268,6 +274,11 @@ def backward_group(
 
 def dev_type(groups: list[Group]) -> str:
     return next(iter(groups[0].tensors.values())).device.type
+
+
+def _untraced(k: RowKernel) -> None:
+    if tracing():
+        raise NotTraceable(f"{k.spec.name} failed in this process: its sites run the stock code")
 
 
 def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:

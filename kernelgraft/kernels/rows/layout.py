@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .tuning import flat_rows
 
@@ -157,6 +159,12 @@ def groups_of(spelling, arg_sets: list[tuple]) -> tuple[list[Group], list[float]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The very same values: one object, or (run, not traced) one memory, shape and strides. A
+    launch traced for inductor sees fake tensors, where one graph value is one object."""
+    if a is b:
+        return True
+    if is_fake(a) or is_fake(b) or isinstance(a, FunctionalTensor) or isinstance(b, FunctionalTensor):
+        return False
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 

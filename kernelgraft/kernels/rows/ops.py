@@ -112,9 +112,9 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
         *args, stats, needs = rest
         return _grad_fakes(sp, args, needs, rounding)
 
-    fwd, fwd_op = define(name, fwd_impl, fwd_fake, f"({schema_args(sp)}) -> (Tensor, Tensor)")
+    fwd, fwd_op = define(name, fwd_impl, fwd_fake, f"({schema_args(sp)}) -> (Tensor, Tensor)", traceable=True)
     bwd_schema = f"(Tensor grad, {schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
-    _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
+    _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema, traceable=True)
     bwd_out_op = _bwd_out_op(sp, name, rounding, bwd_fake) if recompute else None
 
     def setup_context(ctx, inputs, output):
@@ -148,7 +148,11 @@ def _bwd_out_op(sp, name: str, rounding: str, bwd_fake):
         return [*bwd_fake(grad, *args, None, needs), _fake(sp, tuple(args), rounding)[0]]
 
     return define(
-        f"{name}_bwdo", impl, fake, f"(Tensor grad, {schema_args(sp)}, bool[] needs) -> Tensor[]"
+        f"{name}_bwdo",
+        impl,
+        fake,
+        f"(Tensor grad, {schema_args(sp)}, bool[] needs) -> Tensor[]",
+        traceable=True,
     )[1]
 
 
@@ -197,13 +201,17 @@ def _pair(sp, name: str, rounding: str) -> GraftedOp:
 
     second = ", ".join(f"Tensor {sp.arg_names[i]}_1" for i in tensor_idx)
     fwd, fwd_op = define(
-        name, fwd_impl, fwd_fake, f"({schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)"
+        name,
+        fwd_impl,
+        fwd_fake,
+        f"({schema_args(sp)}, {second}) -> (Tensor, Tensor, Tensor, Tensor)",
+        traceable=True,
     )
     bwd_schema = (
         f"(Tensor grad_0, Tensor grad_1, {schema_args(sp)}, {second}, Tensor stats_0, Tensor stats_1, "
         "bool[] needs) -> Tensor[]"
     )
-    _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema)
+    _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema, traceable=True)
     scalar_idx = [i for i, a in enumerate(sp.arg_names) if a in sp.scalar_names]
     all_tensor_idx = tensor_idx + [n_args + j for j in range(T)]
 

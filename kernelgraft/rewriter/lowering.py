@@ -1,0 +1,162 @@
+"""Lower: kernelgraft's op calls in inductor's post-grad graphs -> the Triton launches they make,
+recorded in the graph, so inductor's generated code makes them itself.
+
+A grafted site is a custom op (kernels/: opaque to dynamo and AOT autograd, which see its fake
+implementation, shapes and strides). Called as such, each call runs the Python launcher: layout,
+grid, block sizes, strides, then Triton's own launch path, a few hundred microseconds of host time
+per call on a GPU. Here, after AOT autograd has split the forward and backward and the rewriter's
+recompute pass has run, every call of an op whose implementation is traceable
+(family.define(traceable=True)) is replaced by that implementation traced on the call's fake
+arguments (make_fx, launching.traced_launches): the allocations and torch ops it makes, and each
+Triton launch as torch's user-defined-kernel call (`triton_kernel_wrapper_mutation`, what
+`torch.library.wrap_triton` records), with the grid, block sizes and strides the launcher chose for
+these shapes as constants. Inductor then launches the very same kernel source from its wrapper, as
+it launches its own kernels, and can put it in a CUDA graph.
+
+A call stays a host launch (counted in the report) where its arguments are not all CUDA tensors of
+static sizes (the CPU's kernels run in Triton's interpreter; symbolic sizes have no grid to fix),
+or where tracing fails (a kernel that failed in this process: its stock code runs instead).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..kernels.family import traceable_impl
+from ..kernels.launching import traced_launches
+from . import recompute
+
+
+def _static_cuda(v) -> bool:
+    if not isinstance(v, torch.Tensor):
+        return False
+    if v.device.type != "cuda":
+        return False
+    return all(type(d) is int for d in (*v.shape, *v.stride()))
+
+
+def host_reason(node: fx.Node) -> str | None:
+    """Why this op call keeps its host launch (None: it can be traced for inductor)."""
+    vals = []
+    for a in node.args:
+        if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            return "a list of tensors as an argument"
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if v is None:
+                return "no fake value recorded for an argument"
+            vals.append(v)
+    if not vals:
+        return "no tensor arguments"
+    if not all(v.device.type == "cuda" for v in vals):
+        return "not on CUDA (the CPU's kernels run in Triton's interpreter, from the host)"
+    if not all(map(_static_cuda, vals)):
+        return "symbolic sizes (dynamic shapes): no grid to fix at compile time"
+    return None
+
+
+def _trace(impl, node: fx.Node) -> fx.GraphModule:
+    """impl on the node's arguments, traced: fx nodes become the traced function's inputs."""
+    positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+    vals = [node.args[i].meta["val"] for i in positions]
+
+    def launch(*tensors):
+        args = list(node.args)
+        for i, t in zip(positions, tensors):
+            args[i] = t
+        with traced_launches():
+            out = impl(*args)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    # one graph value, one fake tensor: a value passed twice (a pair's shared cos) is seen so
+    first: dict = {}
+    vals = [first.setdefault(node.args[i], v) for i, v in zip(positions, vals)]
+    fake_mode = detect_fake_mode(vals)
+    with fake_mode:
+        return make_fx(launch, tracing_mode="real")(*vals)
+
+
+def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> None:
+    """sub's nodes in `graph` in place of `node` (whose users are getitems of its outputs)."""
+    inputs = [a for a in node.args if isinstance(a, fx.Node)]
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders, inputs))
+    with graph.inserting_before(node):
+        outs = graph.graph_copy(sub.graph, env)
+    for u in list(node.users):
+        if u.op == "call_function" and u.target is operator.getitem:
+            u.replace_all_uses_with(outs[u.args[1]])
+            graph.erase_node(u)
+        else:  # pragma: no cover - the ops return tuples or lists, read through getitem
+            raise AssertionError(f"{node}: read other than through getitem ({u})")
+    graph.erase_node(node)
+
+
+def launch_in_graph(graph: fx.Graph) -> Counter:
+    """Every traceable kernelgraft op call in `graph` -> its traced launches, in place.
+    -> Counter: "inductor" (calls replaced), and per reason the calls left to launch from the host."""
+    counts: Counter = Counter()
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        impl = traceable_impl(node.target)
+        if impl is None:
+            continue
+        why = host_reason(node)
+        if why is None:
+            try:
+                sub = _trace(impl, node)
+            except Exception as e:  # noqa: BLE001 - any trace failure: the op launches from the host, as before
+                why = f"could not be traced ({type(e).__name__}: {e})"
+        if why is not None:
+            counts[f"host: {why}"] += 1
+            continue
+        _inline(graph, node, sub)
+        counts["inductor"] += 1
+    return counts
+
+
+try:  # inductor's interface for a pass it keys its caches by (torch >= 2.5)
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+except ImportError:  # pragma: no cover - older torch: a plain callable, caching bypassed
+    CustomGraphPass, get_hash_for_files = object, None
+
+
+class PostGradPass(CustomGraphPass):
+    """kernelgraft's passes over inductor's post-grad graphs, after any the user set (`chained`):
+    recomputed outputs made by the backward kernels (recompute.py), then the launches recorded
+    (launch_in_graph). `launches` (a Counter, the report's where given) counts what
+    launch_in_graph did; a graph inductor loads from its cache runs no pass and counts nothing."""
+
+    def __init__(self, chained=None, fuse_recompute: bool = True, launch: bool = True, launches=None):
+        self.chained = chained
+        self.fuse_recompute = fuse_recompute
+        self.launch = launch
+        self.launches: Counter = launches if launches is not None else Counter()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.chained is not None:
+            self.chained(graph)
+        if self.fuse_recompute:
+            recompute.fuse_recomputed_outputs(graph)
+        if self.launch:
+            self.launches.update(launch_in_graph(graph))
+
+    def uuid(self):
+        if get_hash_for_files is None:
+            return None
+        theirs = None
+        if self.chained is not None:
+            theirs = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+            if theirs is None:
+                return None  # a pass inductor cannot key: no caching, as without us
+        from ..kernels.rows import launch, layout, ops, tuning  # import here: only to hash their files
+
+        files = (__file__, recompute.__file__, ops.__file__, launch.__file__, layout.__file__, tuning.__file__)
+        return (get_hash_for_files(files + (str(tuning.TABLE_PATH),)), ops.ABI, self.fuse_recompute, self.launch, theirs)

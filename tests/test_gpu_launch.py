@@ -1,0 +1,106 @@
+"""On the GPU: kernels launched by inductor's generated code (rewriter/lowering.py) give the bits the
+Python launcher gives, and CUDA graphs (mode="reduce-overhead") run kernelgraft's kernels with
+gradients exact for any incoming gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import batch, tiny_model
+
+import kernelgraft
+
+pytestmark = pytest.mark.gpu
+
+ARCHS = ["llama", "qwen3", "gemma2"]
+
+
+def _step(model, b, scale: float = 1.0):
+    """loss, then every parameter's gradient, of one fwd+bwd with the loss scaled by `scale`."""
+    out = model(**b)
+    (out.loss * scale).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.loss.detach().clone(), grads
+
+
+def _same_bits(a, b):
+    la, ga = a
+    lb, gb = b
+    assert torch.equal(la, lb), (la, lb)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), f"{n}: max diff {(ga[n].float() - gb[n].float()).abs().max()}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launched_by_inductor_gives_the_bits_of_the_python_launcher(arch):
+    b = batch(B=4, S=64, device="cuda")
+    got = {}
+    for launch in ("host", "inductor"):
+        torch._dynamo.reset()
+        model = tiny_model(arch, torch.bfloat16, device="cuda")
+        kernelgraft.optimize(model, launch=launch)
+        got[launch] = [_step(model, b, s) for s in (1.0, 0.3)]
+        report = model.kernelgraft_report
+        assert report.sites, "nothing grafted"
+        if launch == "inductor":
+            assert report.launched_by["inductor"] > 0, report.launched_by
+            assert not [k for k in report.launched_by if k.startswith("host")], report.launched_by
+    for a, b_ in zip(got["host"], got["inductor"]):
+        _same_bits(a, b_)
+
+
+def test_the_traced_launch_runs_no_python_launcher():
+    """Once compiled, a step calls none of the row family's Python launchers."""
+    from kernelgraft.kernels.rows import launch
+
+    model = tiny_model("llama", torch.bfloat16, device="cuda")
+    kernelgraft.optimize(model)
+    b = batch(B=2, S=32, device="cuda")
+    _step(model, b)
+    calls = []
+    saved = launch.forward_group, launch.backward_group
+    launch.forward_group = lambda *a, **k: calls.append("fwd") or saved[0](*a, **k)
+    launch.backward_group = lambda *a, **k: calls.append("bwd") or saved[1](*a, **k)
+    try:
+        _step(model, b)
+    finally:
+        launch.forward_group, launch.backward_group = saved
+    assert calls == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_cuda_graphs_run_the_kernels_with_exact_gradients_for_any_loss_gradient(arch):
+    from torch._dynamo.utils import counters
+
+    b = batch(B=4, S=64, device="cuda")
+    torch._dynamo.reset()
+    ref = tiny_model(arch, torch.bfloat16, device="cuda")
+    kernelgraft.optimize(ref)
+    want = [_step(ref, b, s) for s in (1.0, 0.3, 1.0 / 3)]
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(arch, torch.bfloat16, device="cuda")
+    kernelgraft.optimize(model, mode="reduce-overhead")
+    for _ in range(2):  # recorded, then replayed
+        got = []
+        for s in (1.0, 0.3, 1.0 / 3):
+            torch.compiler.cudagraph_mark_step_begin()
+            got.append(_step(model, b, s))
+        for w, g in zip(want, got):
+            _same_bits(w, g)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert model.kernelgraft_report.counts().get("lm_head_ce") == 1
+
+
+def test_generate_under_cuda_graphs_and_inductor_launches_gives_eager_tokens():
+    model = tiny_model("llama", torch.float32, device="cuda").eval()  # float32: no near-ties
+    ids = torch.randint(3, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        kernelgraft.optimize(model)
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert torch.equal(want, got)
+    assert model.kernelgraft_report.launched_by["inductor"] > 0

@@ -30,8 +30,20 @@ def _round_bf16_cast(x):
     return x.to(tl.bfloat16).to(tl.float32)
 
 
-# the interpreter's instance of this module sets INTERPRETED before running it (kernels/cache.py)
-_round_bf16 = _round_bf16_bits if globals().get("INTERPRETED") else _round_bf16_cast
+# the interpreter's instance of this module sets INTERPRETED before running it (kernels/cache.py).
+# A function of its own name, not an alias: inductor, launching a kernel from its generated code,
+# copies each helper the kernel calls under the helper's own name
+if globals().get("INTERPRETED"):
+
+    @triton.jit
+    def _round_bf16(x):
+        return _round_bf16_bits(x)
+
+else:
+
+    @triton.jit
+    def _round_bf16(x):
+        return _round_bf16_cast(x)
 
 
 @triton.jit

@@ -5,7 +5,6 @@ import os
 import stat
 
 import pytest
-
 import torch
 
 import kernelgraft

@@ -78,8 +78,11 @@ def _trace(impl, node: fx.Node) -> fx.GraphModule:
     first: dict = {}
     vals = [first.setdefault(node.args[i], v) for i, v in zip(positions, vals)]
     fake_mode = detect_fake_mode(vals)
+    # in the post-grad graph's own terms: aten ops decomposed as inductor's graphs have them
+    from torch._inductor.decomposition import select_decomp_table  # import here: inductor is slow to import
+
     with fake_mode:
-        return make_fx(launch, tracing_mode="real")(*vals)
+        return make_fx(launch, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
 
 
 def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> None:

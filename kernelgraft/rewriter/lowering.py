@@ -61,10 +61,51 @@ def host_reason(node: fx.Node) -> str | None:
     return None
 
 
+def _signature(node: fx.Node, vals: list) -> tuple:
+    """What a trace of this call depends on: the op, each tensor argument's shape, strides, offset
+    and dtype, which arguments are one graph value, and the other arguments' values."""
+    first: dict = {}
+    tensors = iter(vals)
+    sig = [node.target]
+    for a in node.args:
+        if isinstance(a, fx.Node):
+            v = next(tensors)
+            sig.append(
+                (
+                    "T",
+                    tuple(v.shape),
+                    v.stride(),
+                    v.storage_offset(),
+                    v.dtype,
+                    str(v.device),
+                    first.setdefault(a, len(first)),
+                )
+            )
+        else:
+            sig.append(repr(a))
+    return tuple(sig)
+
+
+# traces by signature, for the fake mode they were made in (one compile's): a model's layers repeat
+# the same calls, each traced once
+_TRACES: dict = {"mode": None, "traces": {}}
+
+
 def _trace(impl, node: fx.Node) -> fx.GraphModule:
-    """impl on the node's arguments, traced: fx nodes become the traced function's inputs."""
+    """impl on the node's arguments, traced (once per signature and fake mode): fx nodes become the
+    traced function's inputs."""
     positions = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
     vals = [node.args[i].meta["val"] for i in positions]
+    fake_mode = detect_fake_mode(vals)
+    if _TRACES["mode"] is not fake_mode:
+        _TRACES.update(mode=fake_mode, traces={})
+    key = _signature(node, vals)
+    if key not in _TRACES["traces"]:
+        _TRACES["traces"][key] = _make_trace(impl, node, positions, vals, fake_mode)
+    return _TRACES["traces"][key]
+
+
+def _make_trace(impl, node: fx.Node, positions: list, vals: list, fake_mode) -> fx.GraphModule:
 
     def launch(*tensors):
         args = list(node.args)
@@ -77,7 +118,6 @@ def _trace(impl, node: fx.Node) -> fx.GraphModule:
     # one graph value, one fake tensor: a value passed twice (a pair's shared cos) is seen so
     first: dict = {}
     vals = [first.setdefault(node.args[i], v) for i, v in zip(positions, vals)]
-    fake_mode = detect_fake_mode(vals)
     # in the post-grad graph's own terms: aten ops decomposed as inductor's graphs have them
     from torch._inductor.decomposition import select_decomp_table  # import here: inductor is slow to import
 
@@ -161,5 +201,18 @@ class PostGradPass(CustomGraphPass):
                 return None  # a pass inductor cannot key: no caching, as without us
         from ..kernels.rows import launch, layout, ops, tuning  # import here: only to hash their files
 
-        files = (__file__, recompute.__file__, ops.__file__, launch.__file__, layout.__file__, tuning.__file__)
-        return (get_hash_for_files(files + (str(tuning.TABLE_PATH),)), ops.ABI, self.fuse_recompute, self.launch, theirs)
+        files = (
+            __file__,
+            recompute.__file__,
+            ops.__file__,
+            launch.__file__,
+            layout.__file__,
+            tuning.__file__,
+        )
+        return (
+            get_hash_for_files(files + (str(tuning.TABLE_PATH),)),
+            ops.ABI,
+            self.fuse_recompute,
+            self.launch,
+            theirs,
+        )

@@ -21,6 +21,7 @@ written as one partial row per program; the launcher adds the partials (no atomi
 
 from __future__ import annotations
 
+import sympy
 import torch
 
 from ...ir.sym import round_to
@@ -351,10 +352,32 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False) -> list[
     return L
 
 
+def _colsum(spec: Spec, t: str) -> list[str]:
+    """A per-column gradient from the backward programs' partial rows: each block of BLOCK_P rows
+    summed as a tree, the blocks in order, rounded once to the argument's dtype. Its own kernel, not
+    torch's sum: launched from the host or by inductor, the same sum in the same order."""
+    lines, (e,) = emit.cse_lines([round_to(sympy.Symbol("acc"), LOW.get(spec.dtypes[t], "float32"))], "s", IND)
+    return [
+        "@triton.jit",
+        f"def {spec.name}_colsum_{t}(buf_ptr, P, N, out_ptr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):",
+        f"{IND}cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)",
+        f"{IND}cmask = cols < N",
+        f"{IND}acc = tl.full([BLOCK_N], 0.0, tl.float32)",
+        f"{IND}for p0 in range(0, P, BLOCK_P):",
+        f"{IND2}rows = p0 + tl.arange(0, BLOCK_P)",
+        f"{IND2}m = (rows < P)[:, None] & cmask[None, :]",
+        f"{IND2}x = tl.load(buf_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=m, other=0.0)",
+        f"{IND2}acc += tl.reduce(x, 0, tl.standard._sum_combine)",
+        *lines,
+        f"{IND}tl.store(out_ptr + cols, {e}, mask=cmask)",
+    ]
+
+
 def backward_source(spec: Spec, bwd: Backward) -> str:
     """The backward entries (`_bwd`, `_bwd2`), and those that also make the forward's output
     (`_bwdo`, `_bwdo2`): where the output is recomputed for the backward, one pass over the rows
-    serves both (the rewriter's recompute pass)."""
+    serves both (the rewriter's recompute pass); then per per-column argument, the sum of the
+    programs' partial rows (`_colsum_<argument>`)."""
     need = emit.needed(*bwd.grads.values(), *(e for _, e in bwd.adjoints))
     L = _bwd_block(spec, bwd, need)
     for G in GROUPS:
@@ -363,6 +386,8 @@ def backward_source(spec: Spec, bwd: Backward) -> str:
     L += ["", ""] + _bwd_block(spec, bwd, need_o, with_out=True)
     for G in GROUPS:
         L += ["", ""] + _bwd_entry(spec, need_o, G, with_out=True)
+    for t in _cols(spec):
+        L += ["", ""] + _colsum(spec, t)
     return "\n".join(L) + "\n"
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
-from ..launching import NotTraceable, cdiv, launcher, tracing
+from ..launching import NotTraceable, cdiv, launcher, pow2, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
 from .codegen import GROUPS
 from .layout import (
@@ -247,11 +247,17 @@ def backward_group(
             _failed(k, dev, e)
             return reference()
     out = []
-    col_grads = {
-        n: col_bufs[n].sum(0).to(groups[0].tensors[n].dtype).view(groups[0].tensors[n].shape)
-        for n, need in zip(names, needs)
-        if kinds[n] == "col" and need
-    }
+    try:
+        col_grads = {
+            n: _column_sum(k, n, col_bufs[n], groups[0].tensors[n])
+            for n, need in zip(names, needs)
+            if kinds[n] == "col" and need
+        }
+    except Exception as e:  # noqa: BLE001 - as above
+        if tracing():
+            raise
+        _failed(k, dev, e)
+        return reference()
     for g, bufs, own in zip(groups, elem_bufs, needs_per_set):
         res = []
         for n, need in zip(names, own):
@@ -267,6 +273,17 @@ def backward_group(
         out.append(res)
     if with_out:
         out = [r + [y] for r, y in zip(out, fwd_outs)]
+    return out
+
+
+def _column_sum(k: RowKernel, name: str, buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient of per-column argument `name` (shaped and typed as `like`): the sum of the
+    backward programs' partial rows in `buf`, by the generated `_colsum` kernel."""
+    P, N = buf.shape
+    out = torch.empty(like.shape, dtype=like.dtype, device=buf.device)
+    BN = min(pow2(N), 64)
+    BP = min(pow2(P), 64)
+    launcher(k.fn(f"colsum_v_{name}", buf.device))[(cdiv(N, BN),)](buf, P, N, out, BLOCK_P=BP, BLOCK_N=BN)
     return out
 
 

@@ -26,7 +26,7 @@ if HERE not in sys.path:
 from suite import SHAPES, build  # noqa: E402
 
 
-def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 12) -> dict:
+def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 30) -> dict:
     s = SHAPES[shape]
     model = build(shape, mode)
     ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device="cuda")
@@ -70,6 +70,7 @@ def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 12) -> dict:
     torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(pr, stream=buf).sort_stats("cumtime").print_stats(top)
     out = dict(
         wall_ms=med(walls),
         host_fwd_ms=med(host["fwd"]),
@@ -81,7 +82,7 @@ def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 12) -> dict:
     rep = getattr(model, "kernelgraft_report", None)
     if rep is not None:
         out["launched_by"] = dict(rep.launched_by)
-    del model
+    model.to("meta")  # its memory back before the next mode is built
     torch.cuda.empty_cache()
     return out
 
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
         L += [
             f"\n{m}: host time by function (cProfile, one step)\n",
             "```",
-            r["cprofile"].strip()[-4000:],
+            r["cprofile"].strip()[-12000:],
             "```",
         ]
     md = "\n".join(L) + "\n"

@@ -9,10 +9,12 @@ import torch
 from tiny import batch, tiny_model
 
 import kernelgraft
+from kernelgraft.patterns import REGISTRY
 
 pytestmark = pytest.mark.gpu
 
-ARCHS = ["llama", "qwen3", "gemma2"]
+ARCHS = ["llama", "qwen3"]
+ROW = [s for s in REGISTRY.spellings() if s.kernel == "row"]
 
 
 def _step(model, b, scale: float = 1.0):
@@ -29,7 +31,9 @@ def _same_bits(a, b):
     lb, gb = b
     assert torch.equal(la, lb), (la, lb)
     assert ga.keys() == gb.keys()
-    differ = {n: float((ga[n].float() - gb[n].float()).abs().max()) for n in ga if not torch.equal(ga[n], gb[n])}
+    differ = {
+        n: float((ga[n].float() - gb[n].float()).abs().max()) for n in ga if not torch.equal(ga[n], gb[n])
+    }
     assert not differ, f"{len(differ)} of {len(ga)} gradients differ: {differ}"
 
 
@@ -49,6 +53,45 @@ def test_launched_by_inductor_gives_the_bits_of_the_python_launcher(arch):
             assert not [k for k in report.launched_by if k.startswith("host")], report.launched_by
     for a, b_ in zip(got["host"], got["inductor"]):
         _same_bits(a, b_)
+
+
+class _Spelled(torch.nn.Module):
+    def __init__(self, sp):
+        super().__init__()
+        self.sp = sp
+
+    def forward(self, *args):
+        return self.sp.fn(*args)
+
+
+@pytest.mark.parametrize("sp", ROW, ids=[s.qualname for s in ROW])
+def test_each_row_kernel_launched_by_inductor_gives_the_bits_of_the_python_launcher(sp):
+    n = 128 if sp.pattern == "rope" else 1000
+    spelled = [
+        a.cuda() if isinstance(a, torch.Tensor) else a
+        for a in sp.example_args(512, n, torch.bfloat16, seed=3)
+    ]
+    g = torch.randn(sp.fn(*spelled).shape, device="cuda", dtype=torch.bfloat16)
+    got = {}
+    for launch in ("host", "inductor"):
+        torch._dynamo.reset()
+        model = kernelgraft.optimize(_Spelled(sp), launch=launch)
+        args = [
+            a.detach().clone().requires_grad_(a.dim() > 0 and not (sp.pattern == "rope" and i > 0))
+            if isinstance(a, torch.Tensor)
+            else a
+            for i, a in enumerate(spelled)
+        ]
+        out = model(*args)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        got[launch] = [out, *torch.autograd.grad(out, leaves, g)]
+        assert model.kernelgraft_report.counts() == {sp.pattern: 1}
+        if launch == "inductor":
+            assert model.kernelgraft_report.launched_by == {"inductor": 2}, (
+                model.kernelgraft_report.launched_by
+            )
+    for a, b in zip(got["host"], got["inductor"]):
+        assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
 
 
 def test_the_traced_launch_runs_no_python_launcher():

@@ -356,7 +356,9 @@ def _colsum(spec: Spec, t: str) -> list[str]:
     """A per-column gradient from the backward programs' partial rows: each block of BLOCK_P rows
     summed as a tree, the blocks in order, rounded once to the argument's dtype. Its own kernel, not
     torch's sum: launched from the host or by inductor, the same sum in the same order."""
-    lines, (e,) = emit.cse_lines([round_to(sympy.Symbol("acc"), LOW.get(spec.dtypes[t], "float32"))], "s", IND)
+    lines, (e,) = emit.cse_lines(
+        [round_to(sympy.Symbol("acc"), LOW.get(spec.dtypes[t], "float32"))], "s", IND
+    )
     return [
         "@triton.jit",
         f"def {spec.name}_colsum_{t}(buf_ptr, P, N, out_ptr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):",

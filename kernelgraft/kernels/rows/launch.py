@@ -289,6 +289,7 @@ def _column_sum(k: RowKernel, name: str, buf: torch.Tensor, like: torch.Tensor) 
 
 # ---- a kernel that fails at run time (compile error, out of resources): the stock code instead -----
 
+
 def dev_type(groups: list[Group]) -> str:
     return next(iter(groups[0].tensors.values())).device.type
 
@@ -324,5 +325,3 @@ def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tenso
         out = _laid_out(spelling, args, k, spelling.fn(*args))
     K = max(len(k.spec.reductions), 1)
     return out, torch.empty((*out.shape[:-1], K), dtype=torch.float32, device=out.device)
-
-

@@ -1,0 +1,191 @@
+"""Kernels launched by inductor (rewriter/lowering.py), checked on the CPU: each row op's call in a
+graph of fake CUDA tensors becomes its launcher traced (allocations, torch ops, Triton launches with
+their grids fixed), no kernelgraft op left; the traced launches, run here by Triton's interpreter
+from the same generated source, give the Python launcher's numbers. Calls that cannot be traced
+(CPU tensors) stay host launches. The GPU side (bits equal to the host launcher's, in whole models;
+CUDA graphs) is tests/test_gpu_launch.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_mutation
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import kernelgraft
+from kernelgraft.kernels import op_for
+from kernelgraft.kernels.lm_head import op_for as lm_head_op_for
+from kernelgraft.kernels.rows import pair_op_for, row_kernel
+from kernelgraft.kernels.rows import tuning as row_tuning
+from kernelgraft.kernels.rows.layout import layout, split_args
+from kernelgraft.patterns import REGISTRY
+from kernelgraft.rewriter.lowering import host_reason, launch_in_graph
+
+ROUNDING = "fused"  # the inductor backend's kernels
+
+
+@pytest.fixture(autouse=True)
+def _an_h200s_sm_count(monkeypatch):
+    # the backward's program count reads the GPU's SM count; this machine has none
+    monkeypatch.setattr(row_tuning, "sm_count", lambda index: 132)
+
+
+def _graph(fn, args):
+    """fn traced on fake CUDA copies of args (a post-grad graph's shape: op calls, getitems)."""
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
+        return make_fx(fn, tracing_mode="real")(*fakes)
+
+
+def _run_on_cpu(gm: fx.GraphModule, sp, spelled: list, args: list):
+    """The traced graph run on CPU tensors `args`: each recorded launch by the interpreter's
+    instance of the kernel it names (the same generated source; `spelled`: the spelling's arguments
+    of the call, which choose the kernel)."""
+    tensors, _ = split_args(sp, tuple(spelled))
+    k = row_kernel(sp, {n: t.dtype for n, t in tensors.items()}, layout(sp, tensors).kinds, ROUNDING)
+
+    class OnCPU(fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target is triton_kernel_wrapper_mutation:
+                kernel = kernel_side_table.get_kernel(kw["kernel_idx"])
+                consts = kernel_side_table.get_constant_args(kw["constant_args_idx"])
+                while not hasattr(kernel, "arg_names") or hasattr(kernel, "configs"):
+                    kernel = kernel.fn  # the autotuner that carries num_warps -> the JIT function
+                which = kernel.__name__.removeprefix(k.spec.name + "_")
+                k.fn(which, torch.device("cpu"))[tuple(kw["grid"][0])](**kw["kwargs"], **consts)
+                self.launches.append(which)
+                return None
+            if "device" in kw:
+                kw = dict(kw, device=torch.device("cpu"))
+            return super().call_function(target, a, kw)
+
+    runner = OnCPU(gm)
+    runner.launches = []
+    return runner.run(*[a for a in args if isinstance(a, torch.Tensor)]), runner.launches
+
+
+def _ops_left(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "kernelgraft" in str(n.target)]
+
+
+def _inputs(name: str, dtype=torch.float32):
+    sp = REGISTRY.get(*name.split("."))
+    return sp, list(sp.example_args(64, 96 if sp.pattern != "rope" else 64, dtype, seed=1))
+
+
+@pytest.mark.parametrize(
+    "name", ["rms_norm.llama", "rms_norm.gemma", "gated_mlp.silu", "gated_mlp.gelu_tanh"]
+)
+def test_forward_and_backward_traced_run_as_the_python_launcher(name):
+    sp, args = _inputs(name)
+    op = op_for(sp, ROUNDING)
+    n_t = len(sp.tensor_names)
+    g = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(2))
+    needs = [True] * n_t
+
+    def step(*tensors):
+        full = list(tensors[:n_t]) + [a for a in args if not isinstance(a, torch.Tensor)]
+        y, st = op.fwd(*full)
+        return [y, *op.bwd(tensors[n_t], *full, st, needs)]
+
+    gm = _graph(step, [*args[:n_t], g])
+    counts = launch_in_graph(gm.graph)
+    gm.recompile()
+    assert counts == {"inductor": 2}, counts
+    assert _ops_left(gm) == []
+    got, launches = _run_on_cpu(gm, sp, args, [*args[:n_t], g])
+    # one forward launch, one backward, one column sum per per-column argument
+    cols = [n for n in sp.tensor_names if args[sp.arg_names.index(n)].dim() == 1]
+    assert launches == ["fwd", "bwd"] + [f"colsum_v_{n}" for n in cols]
+    want_y, st = op.fwd(*args)
+    want = [want_y, *op.bwd(g, *args, st, needs)]
+    for name_, a, b in zip(["out", *sp.tensor_names], got, want):
+        if name_ in cols:  # summed over other programs (the CPU's count here, an H200's in the trace)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b), name_
+
+
+def test_recomputing_backward_traced_runs_as_the_python_launcher():
+    sp, args = _inputs("gated_mlp.silu")
+    op = op_for(sp, ROUNDING, recompute=True)
+    g = torch.randn(args[0].shape)
+    gm = _graph(lambda a, b, gr: op.bwd_out(gr, a, b, [True, True]), [*args, g])
+    assert launch_in_graph(gm.graph) == {"inductor": 1}
+    gm.recompile()
+    got, launches = _run_on_cpu(gm, sp, args, [*args, g])
+    assert launches == ["bwdo"]
+    want = op.bwd_out(g, *args, [True, True])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_pair_sharing_cos_and_sin_is_one_traced_launch():
+    sp, (q, cos, sin) = _inputs("rope.rotate_half")
+    k = q[:, :2].clone()
+    pair = pair_op_for(sp, ROUNDING)
+
+    def fwd(q, k, cos, sin):
+        o = pair.fwd(q, cos, sin, k, cos, sin)  # one cos, one sin: one graph value each
+        return [o[0], o[1]]
+
+    gm = _graph(fwd, [q, k, cos, sin])
+    assert launch_in_graph(gm.graph) == {"inductor": 1}
+    gm.recompile()
+    (oq, ok), launches = _run_on_cpu(gm, sp, [q, cos, sin], [q, k, cos, sin])
+    assert launches == ["fwd2"]
+    assert torch.equal(oq, sp.fn(q, cos, sin)) and torch.equal(ok, sp.fn(k, cos, sin))
+
+
+def test_calls_on_the_cpu_stay_host_launches():
+    sp, args = _inputs("rms_norm.llama")
+    op = op_for(sp, ROUNDING)
+    gm = make_fx(lambda x, w: list(op.fwd(x, w, 1e-6)))(*args[:2])
+    node = next(n for n in gm.graph.nodes if "kernelgraft" in str(n.target))
+    assert host_reason(node).startswith("not on CUDA")
+    counts = launch_in_graph(gm.graph)
+    assert counts["inductor"] == 0 and sum(counts.values()) == 1
+    assert len(_ops_left(gm)) == 1
+
+
+def test_options_mode_and_launch_are_checked():
+    assert kernelgraft.Options(mode="reduce-overhead").cuda_graphs
+    assert not kernelgraft.Options().cuda_graphs and kernelgraft.Options().inductor_launches
+    assert not kernelgraft.Options(launch="host").inductor_launches
+    assert not kernelgraft.Options(backend="eager").inductor_launches
+    with pytest.raises(ValueError, match="mode must be one of"):
+        kernelgraft.Options(mode="fast")
+    with pytest.raises(ValueError, match="inductor's; with backend='eager'"):
+        kernelgraft.Options(backend="eager", mode="reduce-overhead")
+    with pytest.raises(ValueError, match="launch must be one of"):
+        kernelgraft.Options(launch="gpu")
+
+
+@pytest.mark.parametrize("g", [1.0, 2.0, 0.3, 1 / 3])
+def test_lm_head_gradients_made_in_the_backward_are_the_stashed_ones(g):
+    """The CUDA-graph LM head (loss in the forward, gradients in the backward for the incoming
+    gradient, read as a tensor) gives the bits of the default one, which makes them in the forward
+    and scales them (a power of two) or makes them again with g folded in (any other g)."""
+    sp = REGISTRY.get("lm_head_ce", "hf_mean")
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 24, 32, generator=gen).bfloat16()
+    W = (torch.randn(80, 32, generator=gen) * 0.2).bfloat16()
+    t = torch.randint(0, 80, (2, 24), generator=gen)
+    t[0, :3] = -100
+    named = dict(h=h, weight=W, target=t, ignore_index=-100.0)
+    got = {}
+    for deferred in (False, True):
+        hh, ww = h.clone().requires_grad_(), W.clone().requires_grad_()
+        call = [hh if a == "h" else ww if a == "weight" else named[a] for a in sp.arg_names]
+        op = lm_head_op_for(sp, "autograd", deferred=deferred)
+        loss = op(*call)
+        (loss * g).backward()
+        got[deferred] = (loss.detach(), hh.grad, ww.grad)
+    assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))

@@ -82,7 +82,7 @@ def forward_group(
     shared = []
     for n, t in groups[0].tensors.items():
         if groups[0].lay.kinds[n] == "col":
-            v = t.reshape(N)
+            v = t if t.dim() == 1 else t.reshape(N)  # no view to make (a view costs inductor a call)
             shared += [v, v.stride(0)]
     cfg = config(max(g.lay.M for g in groups), N, dev, sums_columns=False, reduces=bool(k.spec.reductions))
     grid = (sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
@@ -192,8 +192,11 @@ def backward_group(
     n_blocks = max(1, sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups))
     nprog = programs(n_blocks, dev, N, reduces) if has_cols else n_blocks
     dummy = torch.empty((1, 1), dtype=torch.float32, device=dev)
+    # every program writes its partial row when the kernel runs (no fill needed); zeros when it does not
+    launched = sum(g.lay.M for g in groups) > 0 and N > 0
+    partial = torch.empty if launched else torch.zeros
     col_bufs = {
-        n: torch.zeros((nprog, N), dtype=torch.float32, device=dev) if need else dummy
+        n: partial((nprog, N), dtype=torch.float32, device=dev) if need else dummy
         for n, need in zip(names, needs)
         if kinds[n] == "col"
     }
@@ -230,7 +233,8 @@ def backward_group(
         shared = []
         for n in names:
             if kinds[n] == "col":
-                v = groups[0].tensors[n].reshape(N)
+                t = groups[0].tensors[n]
+                v = t if t.dim() == 1 else t.reshape(N)
                 shared += [v, v.stride(0)]
         shared += scalars
         for n in names:

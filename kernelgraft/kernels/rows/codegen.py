@@ -16,7 +16,8 @@ tl.sigmoid): those are @jit helpers, which the interpreter can only call when it
 before triton was imported, and kernelgraft runs both modes in one process. The forward
 saves the row statistics r_k (float32, one per reduction and row); the backward reloads them and
 recomputes everything else. Per-column gradients are summed over the rows a program visits and
-written as one partial row per program; the launcher adds the partials (no atomics: deterministic).
+written as one partial row per program; a generated kernel adds the partials (no atomics:
+deterministic, and the same sum whether the host or inductor launches it).
 """
 
 from __future__ import annotations

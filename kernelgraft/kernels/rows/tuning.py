@@ -117,8 +117,9 @@ def config(M: int, N: int, device: torch.device, sums_columns: bool = True, redu
 
 
 def programs(n_blocks: int, device: torch.device, N: int = 0, reduces: bool = False) -> int:
-    """Backward programs. Each writes one partial row of every per-column gradient; torch adds the
-    partial rows (a tree sum), so more programs also means shorter sequential sums."""
+    """Backward programs. Each writes one partial row of every per-column gradient; the generated
+    `_colsum` kernel adds the partial rows (tree sums of blocks of rows), so more programs also means
+    shorter sequential sums."""
     if device.type == "cuda":
         if _TRIALS:
             per_sm = _TRIALS[-1].programs_per_sm

@@ -1,4 +1,4 @@
-"""Kernels launched by inductor (rewriter/lowering.py), checked on the CPU: each row op's call in a
+"""Kernels launched by inductor (rewriter/lowering.py), checked on the CPU: each row op's calls, in a
 graph of fake CUDA tensors becomes its launcher traced (allocations, torch ops, Triton launches with
 their grids fixed), no kernelgraft op left; the traced launches, run here by Triton's interpreter
 from the same generated source, give the Python launcher's numbers. Calls that cannot be traced

@@ -4,9 +4,9 @@ recorded in the graph, so inductor's generated code makes them itself.
 A grafted site is a custom op (kernels/: opaque to dynamo and AOT autograd, which see its fake
 implementation, shapes and strides). Called as such, each call runs the Python launcher: layout,
 grid, block sizes, strides, then Triton's own launch path, a few hundred microseconds of host time
-per call on a GPU. Here, after AOT autograd has split the forward and backward and the rewriter's
-recompute pass has run, every call of an op whose implementation is traceable
-(family.define(traceable=True)) is replaced by that implementation traced on the call's fake
+per call, on a GPU. Here, after AOT autograd has split the forward and backward and the rewriter's
+recompute pass has run, the calls of each op whose implementation is traceable
+(family.define(traceable=True)) are replaced by that implementation traced on each call's fake
 arguments (make_fx, launching.traced_launches): the allocations and torch ops it makes, and each
 Triton launch as torch's user-defined-kernel call (`triton_kernel_wrapper_mutation`, what
 `torch.library.wrap_triton` records), with the grid, block sizes and strides the launcher chose for
@@ -142,7 +142,7 @@ def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> None:
 
 
 def launch_in_graph(graph: fx.Graph) -> Counter:
-    """Every traceable kernelgraft op call in `graph` -> its traced launches, in place.
+    """The calls of traceable kernelgraft ops in `graph` -> their traced launches, in place.
     -> Counter: "inductor" (calls replaced), and per reason the calls left to launch from the host."""
     counts: Counter = Counter()
     for node in list(graph.nodes):

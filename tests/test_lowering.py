@@ -189,3 +189,36 @@ def test_lm_head_gradients_made_in_the_backward_are_the_stashed_ones(g):
         (loss * g).backward()
         got[deferred] = (loss.detach(), hh.grad, ww.grad)
     assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+
+
+def test_inductors_kernel_analysis_is_made_once_per_kernel_and_specialization(monkeypatch):
+    """Inside memoized_kernel_analysis a launch's analysis is made once per (kernel, arguments as
+    Triton specializes them), each caller gets its own copy, and the function is restored after."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    from kernelgraft.rewriter.lowering import memoized_kernel_analysis
+
+    name = (
+        "identify_accessed_tensors"
+        if hasattr(wrap, "identify_accessed_tensors")
+        else "identify_mutated_tensors"
+    )
+    made = []
+
+    def analysis(kernel, kwargs, tma):
+        made.append(dict(kwargs))
+        return {"writes": ["out_ptr"]}
+
+    monkeypatch.setattr(wrap, name, analysis)
+    kernel = object()
+    a, b = torch.empty(4), torch.empty(8)
+    with memoized_kernel_analysis():
+        first = getattr(wrap, name)(kernel, {"x_ptr": a, "N": 64}, {})
+        first["writes"].append("changed by a caller")
+        again = getattr(wrap, name)(kernel, {"x_ptr": b, "N": 64}, {})  # another tensor, same dtype
+        getattr(wrap, name)(kernel, {"x_ptr": a, "N": 65}, {})  # another size: analysed
+        getattr(wrap, name)(kernel, {"x_ptr": a.double(), "N": 64}, {})  # another dtype: analysed
+        getattr(wrap, name)(object(), {"x_ptr": a, "N": 64}, {})  # another kernel: analysed
+    assert again == {"writes": ["out_ptr"]}
+    assert len(made) == 4
+    assert getattr(wrap, name) is analysis

@@ -118,7 +118,12 @@ class Grafter:
                     launch=o.inductor_launches,
                     launches=self.report.launched_by,
                 )
-            return compile_fx(gm, example_inputs, config_patches=patches or None)
+            extra = {}
+            if o.inductor_launches:  # each launch's kernel analysed once per specialization
+                from torch._inductor.compile_fx import compile_fx_inner
+
+                extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
+            return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
         return gm.forward
 
     def _fallback(self, stock: torch.fx.GraphModule, args):

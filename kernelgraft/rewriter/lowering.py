@@ -20,6 +20,8 @@ or where tracing fails (a kernel that failed in this process: its stock code run
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import operator
 from collections import Counter
 
@@ -163,6 +165,81 @@ def launch_in_graph(graph: fx.Graph) -> Counter:
         _inline(graph, node, sub)
         counts["inductor"] += 1
     return counts
+
+
+# ---- compile time: inductor reads each launch's kernel to learn which arguments it writes --------
+
+# the analysis functions inductor calls per user-defined kernel launch (the names differ between
+# torch releases): each makes the kernel's Triton IR anew, 50-150 ms for a row kernel's entry, for
+# every one of a model's hundreds of launches, though a model's layers repeat the same few
+_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+
+
+def _analysis_key(args: tuple, kwargs: dict):
+    """What the analysis of one launch depends on: the kernel, and each argument as Triton
+    specializes it (a tensor by its dtype, anything else by its value)."""
+    kernel, named, *rest = args
+
+    def arg(v):
+        dtype = getattr(v, "dtype", None)
+        if dtype is None and hasattr(v, "get_dtype"):
+            dtype = v.get_dtype()
+        if dtype is not None:
+            return ("T", str(dtype))
+        if isinstance(v, (int, float, bool, str, type(None))):
+            return v
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return ("sym",)
+        return ("repr", repr(v))
+
+    return (
+        id(kernel),
+        tuple((k, arg(v)) for k, v in sorted(named.items())),
+        repr(rest),
+        repr(sorted(kwargs.items())),
+    )
+
+
+@contextlib.contextmanager
+def memoized_kernel_analysis():
+    """Inside the block, inductor's analysis of a user-defined kernel launch (which arguments it
+    reads and writes) is made once per kernel and argument specialization: a model's layers launch
+    the same kernels with the same sizes. The result is a copy each time, as if made anew; the
+    memo lives as long as the block (one graph's compile, which keeps the kernels alive)."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap  # import here: inductor's, slow to import
+
+    originals = {name: getattr(wrap, name) for name in _ANALYSES if hasattr(wrap, name)}
+    memo: dict = {}
+
+    def memoized(fn):
+        def analysis(*args, **kwargs):
+            try:
+                key = _analysis_key(args, kwargs)
+            except Exception:  # noqa: BLE001 - arguments not as expected: no memo, the analysis as is
+                return fn(*args, **kwargs)
+            if key not in memo:
+                memo[key] = fn(*args, **kwargs)
+            return copy.deepcopy(memo[key])
+
+        return analysis
+
+    for name, fn in originals.items():
+        setattr(wrap, name, memoized(fn))
+    try:
+        yield memo
+    finally:
+        for name, fn in originals.items():
+            setattr(wrap, name, fn)
+
+
+def memoizing_inner_compile(inner):
+    """inductor's inner compile (forward and backward graphs alike), under memoized_kernel_analysis."""
+
+    def compile_graph(*args, **kwargs):
+        with memoized_kernel_analysis():
+            return inner(*args, **kwargs)
+
+    return compile_graph
 
 
 try:  # inductor's interface for a pass it keys its caches by (torch >= 2.5)

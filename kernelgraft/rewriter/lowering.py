@@ -170,8 +170,8 @@ def launch_in_graph(graph: fx.Graph) -> Counter:
 # ---- compile time: inductor reads each launch's kernel to learn which arguments it writes --------
 
 # the analysis functions inductor calls per user-defined kernel launch (the names differ between
-# torch releases): each makes the kernel's Triton IR anew, 50-150 ms for a row kernel's entry, for
-# every one of a model's hundreds of launches, though a model's layers repeat the same few
+# torch releases): each makes the kernel's Triton IR anew, for every one of a model's hundreds of
+# launches, though a model's layers repeat the same few
 _ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
 
 

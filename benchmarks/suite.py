@@ -9,7 +9,8 @@ Parts (`--parts`, comma-separated; default all):
   steps      one training step (fwd + bwd, no optimizer) of the Llama-3.2-1B shape (8x2048), the
              Llama-3.1-8B shape (2x4096), a Gemma-2-2B shape (256k vocabulary), peft LoRA on the
              1B and a 135M model (8x1024, where the host is in the loop): eager, torch.compile,
-             kernelgraft (inductor and eager backends), Liger last
+             kernelgraft (inductor and eager backends), Liger last; the 135M model also under
+             CUDA graphs (torch.compile and kernelgraft with mode="reduce-overhead")
   curves     50 AdamW steps of the 1B shape, eager vs kernelgraft: the loss curves
   decode     bench_decode.py's measurement: greedy generate() of the 1B shape at batch 1 and 8
 
@@ -218,9 +219,9 @@ SHAPES = {
                  attn_logit_softcapping=None, sliding_window=4096),
     ),
     "llama-1b LoRA 8x2048": dict(arch="llama", B=8, S=2048, lora=True, cfg=None),
-    # a small model, where the host is in the loop: SmolLM-135M's shape
+    # a small model, where the host is in the loop: SmolLM-135M's shape; also measured under CUDA graphs
     "llama-135m 8x1024": dict(
-        arch="llama", B=8, S=1024,
+        arch="llama", B=8, S=1024, extra_modes=("torch.compile (reduce-overhead)", "kernelgraft (inductor, reduce-overhead)"),
         cfg=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=10000.0,
                  tie_word_embeddings=True),
@@ -775,15 +776,20 @@ def main(argv=None) -> int:
         doc["steps"] = {shape: {} for shape in a.shapes.split(",")}
         # Liger patches transformers' modules for the rest of the process: its runs come last
         modes = names(a.modes)
-        order = [(m, sh) for m in modes if m != "liger" for sh in doc["steps"]]
+
+        def modes_of(shape):  # the shape's own extra modes (the host-bound shape: CUDA graphs) unless --modes names them
+            extra = [] if a.modes != ap.get_default("modes") else list(SHAPES[shape].get("extra_modes", ()))
+            return [m for m in modes if m != "liger"] + extra + (["liger"] if "liger" in modes else [])
+
+        order = [(m, sh) for sh in doc["steps"] for m in modes_of(sh) if m != "liger"]
         order += [("liger", sh) for sh in doc["steps"] if "liger" in modes]
         if a.turns:
             for shape in doc["steps"]:
                 try:
-                    doc["steps"][shape] = measure_steps_in_turns(shape, modes, a.steps)
+                    doc["steps"][shape] = measure_steps_in_turns(shape, modes_of(shape), a.steps)
                 except Exception as e:  # noqa: BLE001 - reported in the table
                     traceback.print_exc()
-                    doc["steps"][shape] = {m: dict(error=f"{type(e).__name__}: {e}"[:300]) for m in modes}
+                    doc["steps"][shape] = {m: dict(error=f"{type(e).__name__}: {e}"[:300]) for m in modes_of(shape)}
                 print(shape, doc["steps"][shape], flush=True)
                 gc.collect()
                 torch.cuda.empty_cache()

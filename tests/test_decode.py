@@ -22,7 +22,9 @@ def _generate(mode: str):
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     with torch.no_grad():  # three prompt lengths: the second makes dynamo's sizes dynamic
-        out = [model.generate(ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]), **kw) for n in (16, 9, 13)]
+        out = [
+            model.generate(ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]), **kw) for n in (16, 9, 13)
+        ]
     return model, out, counters["stats"]["unique_graphs"]
 
 

@@ -222,3 +222,26 @@ def test_inductors_kernel_analysis_is_made_once_per_kernel_and_specialization(mo
     assert again == {"writes": ["out_ptr"]}
     assert len(made) == 4
     assert getattr(wrap, name) is analysis
+
+
+def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the_same_bits(monkeypatch):
+    """backend="eager" runs the graph as it is: each op call becomes its eager call (an
+    autograd.Function around the same implementation). Loss and gradients are the op path's bits."""
+    from tiny import batch, tiny_model
+
+    from kernelgraft.rewriter import lowering
+
+    b = batch(B=2, S=12)
+    got = {}
+    real = lowering.eager_calls
+    for swap in (False, True):
+        torch._dynamo.reset()
+        swapped = []
+        monkeypatch.setattr(lowering, "eager_calls", (lambda gm: swapped.append(real(gm))) if swap else (lambda gm: 0))
+        model = kernelgraft.optimize(tiny_model("llama", torch.bfloat16), backend="eager")
+        out = model(**b)
+        out.loss.backward()
+        got[swap] = [out.loss.detach()] + [p.grad for p in model.parameters()]
+        if swap:  # every row op call of the graph: 5 norms, 2 MLPs, the 2 layers' q/k pairs
+            assert swapped == [9], swapped
+    assert all(torch.equal(a, b_) for a, b_ in zip(got[False], got[True]))

@@ -135,6 +135,40 @@ def traceable_impl(target):
     return _TRACEABLE.get(target)
 
 
+# op overload -> a plain function computing the same, with the same gradients, through an
+# autograd.Function: what a graph run as it is (the eager backend) calls instead of the op, without
+# the dispatcher's and torch.library's per-call work (measured on the CPU, kernels stubbed: an
+# RMSNorm fwd+bwd 119 µs through the ops, 78 µs through the function)
+_EAGER: dict[object, object] = {}
+
+
+def eager_call(name: str, impl, setup_context, backward):
+    """impl (the op's implementation) as an autograd.Function's forward, with the op's own
+    setup_context and backward (which should call the backward's implementation, not its op)."""
+
+    def forward(ctx, *args):
+        out = impl(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def call(*args):
+        return fn.apply(*args)
+
+    call.__name__ = call.__qualname__ = f"kernelgraft_{name}"
+    return call
+
+
+def register_eager_call(target, call) -> None:
+    _EAGER[target] = call
+
+
+def eager_call_of(target):
+    """The eager call standing for op overload `target` (see eager_call), or None."""
+    return _EAGER.get(target)
+
+
 def schema_args(spelling) -> str:
     """A spelling's arguments in a custom op's schema: `float` for Scalars, `Tensor` otherwise."""
     return ", ".join(f"float {a}" if a in spelling.scalar_names else f"Tensor {a}" for a in spelling.arg_names)

@@ -124,6 +124,8 @@ class Grafter:
 
                 extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
             return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
+        if not self.dry_run:  # run as it is: the kernels called without the dispatcher's per-call work
+            lowering.eager_calls(gm)
         return gm.forward
 
     def _fallback(self, stock: torch.fx.GraphModule, args):

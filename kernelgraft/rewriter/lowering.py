@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..kernels.family import traceable_impl
+from ..kernels.family import eager_call_of, traceable_impl
 from ..kernels.launching import traced_launches
 from . import recompute
 
@@ -165,6 +165,22 @@ def launch_in_graph(graph: fx.Graph) -> Counter:
         _inline(graph, node, sub)
         counts["inductor"] += 1
     return counts
+
+
+def eager_calls(gm: torch.fx.GraphModule) -> int:
+    """A graph run as it is (the eager backend): each kernelgraft op call that has an eager call
+    (family.eager_call) calls that instead, the same implementation without the dispatcher's
+    per-call work. -> how many calls changed."""
+    done = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            call = eager_call_of(node.target)
+            if call is not None:
+                node.target = call
+                done += 1
+    if done:
+        gm.recompile()
+    return done
 
 
 # ---- compile time: inductor reads each launch's kernel to learn which arguments it writes --------

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..family import cached_op, define, op_name, schema_args
+from ..family import cached_op, define, eager_call, op_name, register_eager_call, schema_args
 from ..spec import build_spec
 from . import launch
 from .layout import layout, rows_like, split_args
@@ -122,14 +122,18 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
         ctx.scalars = [inputs[i] for i in scalar_idx]
         ctx.set_materialize_grads(False)  # no zero gradient allocated for the row statistics
 
-    def backward(ctx, grad, _grad_stats):
-        if grad is None:  # the output did not reach the loss
-            return (None,) * n_args
-        *tensors, stats = ctx.saved_tensors
-        args, needs = _saved_args(ctx, n_args, tensor_idx, scalar_idx, tensors)
-        return _input_grads(n_args, tensor_idx, bwd_op(grad, *args, stats, needs), needs)
+    def backward_by(bwd):
+        def backward(ctx, grad, _grad_stats):
+            if grad is None:  # the output did not reach the loss
+                return (None,) * n_args
+            *tensors, stats = ctx.saved_tensors
+            args, needs = _saved_args(ctx, n_args, tensor_idx, scalar_idx, tensors)
+            return _input_grads(n_args, tensor_idx, bwd(grad, *args, stats, needs), needs)
 
-    fwd.register_autograd(backward, setup_context=setup_context)
+        return backward
+
+    fwd.register_autograd(backward_by(bwd_op), setup_context=setup_context)
+    register_eager_call(fwd_op, eager_call(name, fwd_impl, setup_context, backward_by(bwd_impl)))
     return GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op)
 
 
@@ -220,15 +224,19 @@ def _pair(sp, name: str, rounding: str) -> GraftedOp:
         ctx.scalars = [inputs[i] for i in scalar_idx]
         ctx.set_materialize_grads(False)  # no zero gradient allocated for the row statistics
 
-    def backward(ctx, g0, g1, _s0, _s1):
-        if g0 is None and g1 is None:
-            return (None,) * (n_args + T)
-        *tensors, s0, s1 = ctx.saved_tensors
-        args, needs = _saved_args(ctx, n_args + T, all_tensor_idx, scalar_idx, tensors)
-        a0, a1 = split(args)
-        g0 = g0 if g0 is not None else torch.zeros_like(_fake(sp, a0, rounding)[0])
-        g1 = g1 if g1 is not None else torch.zeros_like(_fake(sp, a1, rounding)[0])
-        return _input_grads(n_args + T, all_tensor_idx, bwd_op(g0, g1, *args, s0, s1, needs), needs)
+    def backward_by(bwd):
+        def backward(ctx, g0, g1, _s0, _s1):
+            if g0 is None and g1 is None:
+                return (None,) * (n_args + T)
+            *tensors, s0, s1 = ctx.saved_tensors
+            args, needs = _saved_args(ctx, n_args + T, all_tensor_idx, scalar_idx, tensors)
+            a0, a1 = split(args)
+            g0 = g0 if g0 is not None else torch.zeros_like(_fake(sp, a0, rounding)[0])
+            g1 = g1 if g1 is not None else torch.zeros_like(_fake(sp, a1, rounding)[0])
+            return _input_grads(n_args + T, all_tensor_idx, bwd(g0, g1, *args, s0, s1, needs), needs)
 
-    fwd.register_autograd(backward, setup_context=setup_context)
+        return backward
+
+    fwd.register_autograd(backward_by(bwd_op), setup_context=setup_context)
+    register_eager_call(fwd_op, eager_call(name, fwd_impl, setup_context, backward_by(bwd_impl)))
     return GraftedOp(sp, name, fwd_op, bwd_op)

@@ -237,7 +237,11 @@ def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the
     for swap in (False, True):
         torch._dynamo.reset()
         swapped = []
-        monkeypatch.setattr(lowering, "eager_calls", (lambda gm: swapped.append(real(gm))) if swap else (lambda gm: 0))
+        monkeypatch.setattr(
+            lowering,
+            "eager_calls",
+            (lambda gm, seen=swapped: seen.append(real(gm))) if swap else (lambda gm: 0),
+        )
         model = kernelgraft.optimize(tiny_model("llama", torch.bfloat16), backend="eager")
         out = model(**b)
         out.loss.backward()

@@ -151,7 +151,11 @@ def eager_call(name: str, impl, setup_context, backward):
         setup_context(ctx, args, out)
         return out
 
-    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    fn = type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
 
     def call(*args):
         return fn.apply(*args)
@@ -171,4 +175,6 @@ def eager_call_of(target):
 
 def schema_args(spelling) -> str:
     """A spelling's arguments in a custom op's schema: `float` for Scalars, `Tensor` otherwise."""
-    return ", ".join(f"float {a}" if a in spelling.scalar_names else f"Tensor {a}" for a in spelling.arg_names)
+    return ", ".join(
+        f"float {a}" if a in spelling.scalar_names else f"Tensor {a}" for a in spelling.arg_names
+    )

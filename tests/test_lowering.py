@@ -246,6 +246,6 @@ def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the
         out = model(**b)
         out.loss.backward()
         got[swap] = [out.loss.detach()] + [p.grad for p in model.parameters()]
-        if swap:  # every row op call of the graph: 5 norms, 2 MLPs, the 2 layers' q/k pairs
+        if swap:  # the graph's row op calls: 5 norms, 2 MLPs, the 2 layers' q/k pairs
             assert swapped == [9], swapped
     assert all(torch.equal(a, b_) for a, b_ in zip(got[False], got[True]))

@@ -174,9 +174,9 @@ def eager_calls(gm: torch.fx.GraphModule) -> int:
     done = 0
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            call = eager_call_of(node.target)
-            if call is not None:
-                node.target = call
+            eager = eager_call_of(node.target)
+            if eager is not None:
+                node.target = eager
                 done += 1
     if done:
         gm.recompile()

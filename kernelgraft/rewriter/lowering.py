@@ -108,6 +108,7 @@ def _trace(impl, node: fx.Node) -> fx.GraphModule:
 
 
 def _make_trace(impl, node: fx.Node, positions: list, vals: list, fake_mode) -> fx.GraphModule:
+    """make_fx of impl on the node's fake arguments (at `positions`), its launches recorded."""
 
     def launch(*tensors):
         args = list(node.args)

@@ -155,7 +155,7 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     if target in (F.linear, torch._C._nn.linear):
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if bias is None and len(args) >= 2:
-            return b.new("linear", (args[0], args[1]), fx=n)
+            return b.new("linear", tuple(_autocast_inputs(b, n, args[:2])), fx=n)
     if target is F.cross_entropy:
         return _cross_entropy(b, n, args, kwargs)
     if target in _VIEWS and args and isinstance(args[0], CNode):
@@ -187,6 +187,33 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         name = getattr(target, "__name__", str(target))
         return b.new(f"opaque:{name}", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
     return _lower_primitive(b, n, prim, args, kwargs)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _autocast_inputs(b: _Builder, n: torch.fx.Node, args) -> list:
+    """Autocast made explicit: a matmul that autocast ran in bf16/fp16 on float32 inputs reads
+    those inputs cast to that dtype (what autocast does), as canonical nodes no fx node computes yet
+    (made, where a site needs them, as `x.to(dtype)`). A pattern then sees the math that runs: an
+    LM head under autocast is a bf16 linear, and its kernel gets what the stock code's linear got."""
+    out = n.meta.get("example_value")
+    if not isinstance(out, torch.Tensor) or out.dtype not in _LOW:
+        return list(args)
+    res = []
+    for a in args:
+        meta = a.meta if isinstance(a, CNode) else None
+        if not isinstance(meta, torch.Tensor) or meta.dtype != torch.float32:
+            res.append(a)
+            continue
+
+        def make(graph, fx_of, a=a, dt=out.dtype):
+            return graph.call_method("to", (fx_of(a), dt))
+
+        c = CNode("cast", (a, out.dtype), (), None, [], name=f"{a.name}_autocast", value=meta.to(out.dtype), make=make)
+        b.nodes.append(c)
+        res.append(c)
+    return res
 
 
 def _lower_primitive(b: _Builder, n: torch.fx.Node, prim, args: list, kwargs: dict) -> CNode:

@@ -1,8 +1,11 @@
 """The per-user kernel cache: generated source files, written atomically, checked before loading.
 
 Layout: <cache_dir>/triton-<version>/<kernel name>_<key>.py, each file ending in a line with the
-sha256 of what precedes it. A truncated or edited file fails the check and is regenerated. The
-directory is created 0700, and code is never loaded from a directory that others can write.
+sha256 of what precedes it. A file that cannot be read, is not UTF-8, or fails the check (truncated,
+edited) is regenerated. Every directory kernelgraft creates is made 0700 whatever the umask, and
+code is never loaded from a directory that another user owns or that group or others can write:
+such a directory is refused with one warning that names it and says what to do, and the kernels
+then fall back to the stock code.
 """
 
 from __future__ import annotations
@@ -10,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import stat
 import sys
 import tempfile
 from pathlib import Path
 
 import triton
+
+from .fallback import warn_once
 
 _SEAL = "# kernelgraft-sha256: "
 
@@ -36,17 +42,53 @@ def cache_dir() -> Path:
     return Path(base) / "kernelgraft"
 
 
+class CacheRefused(PermissionError):
+    """The cache directory is not private: no generated code is loaded from it (warned once)."""
+
+    warned = True
+
+
+def _make_private(d: Path) -> None:
+    """Create d and its missing parents, each 0700 whatever the umask (mkdir's mode is masked by it)."""
+    missing = []
+    p = d
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:  # another process made it first: checked below like any directory
+            continue
+        os.chmod(p, 0o700)
+
+
+def _refusal(p: Path) -> str | None:
+    st = p.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def _safe_dir() -> Path:
     d = cache_dir() / f"triton-{triton.__version__}"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_private(d)
     for p in (cache_dir(), d):
-        st = p.stat()
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise PermissionError(
-                f"kernelgraft: refusing to load generated code from {p}: it is writable by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):o}). Run `chmod 700 {p}` or set KERNELGRAFT_CACHE_DIR "
-                "to a private directory."
+        why = _refusal(p)
+        if why:
+            msg = (
+                f"kernelgraft: refusing to load generated code from {p}: {why}. kernelgraft's kernels "
+                f"are off in this process (every site runs its stock PyTorch code). To fix: `chmod 700 {p}` "
+                "if it is yours, or set KERNELGRAFT_CACHE_DIR to a directory of your own."
             )
+            warn_once(("cache", str(p)), msg)
+            e = CacheRefused(msg)
+            e.short = f"the kernel cache {p} is not private ({why}); see the warning"
+            raise e
     return d
 
 
@@ -56,8 +98,8 @@ def _sealed(text: str) -> str:
 
 def _intact(path: Path) -> bool:
     try:
-        data = path.read_text()
-    except OSError:
+        data = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):  # unreadable, missing, a directory, not UTF-8
         return False
     head, sep, tail = data.rpartition(_SEAL)
     return bool(sep) and tail.strip() == hashlib.sha256(head.encode()).hexdigest()
@@ -66,7 +108,7 @@ def _intact(path: Path) -> bool:
 def write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -85,6 +127,8 @@ def load_module(name: str, source: str, *, interpret: bool = False):
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = _safe_dir() / f"{name}_{key}.py"
     if not _intact(path):
+        if path.is_dir() and not path.is_symlink():  # a directory in the file's place
+            shutil.rmtree(path)
         write_atomic(path, _sealed(source))
     modname = f"kernelgraft_generated.{name}_{key}" + ("_interp" if interpret else "")
     if modname in sys.modules:

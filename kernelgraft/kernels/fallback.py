@@ -1,32 +1,103 @@
-"""What every family does when its kernel fails at run time (compile error, out of resources): the
-failure is recorded once per (kernel, device type), a warning says so, and the sites run the
-spelling's own PyTorch code from then on: the same numbers as without kernelgraft.
+"""What every family does when its kernel fails at run time (compile error, out of resources, a
+cache it may not load from): the failure is recorded once per (kernel, device type), a warning
+names the sites it served and why, the report says they fell back, and the sites run the spelling's
+own PyTorch code from then on: the same numbers as without kernelgraft.
 """
 
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 
 FAILED: dict = {}  # (kernel name, device type) -> why; see kernelgraft.kernels.failed_kernels()
+# (spelling qualname, device type, dtype name) -> why: what a site's report entry reads
+_FAILED_SITES: dict = {}
+# the same key -> module paths of the sites replaced with that kernel, for the warning to name
+_SITES: dict = {}
+_WARNED: set = set()
+
+
+def warn_once(key, message: str, stacklevel: int = 3) -> None:
+    """warnings.warn(message) the first time `key` is seen in this process (whatever the filters)."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def site_key(qualname: str, device_type: str, dtype) -> tuple:
+    """The key of the sites one kernel serves: spelling, device type, dtype of its first tensor."""
+    return (qualname, device_type, str(dtype).replace("torch.", ""))
+
+
+def register_site(key: tuple, module: str) -> None:
+    """A site the rewriter replaced with the kernel of `key` (named if that kernel fails)."""
+    mods = _SITES.setdefault(key, [])
+    if module not in mods:
+        mods.append(module)
+
+
+def failure_of(key: tuple) -> str | None:
+    """Why the kernel serving the sites of `key` failed in this process (None: it did not)."""
+    return _FAILED_SITES.get(key) if _FAILED_SITES else None
+
+
+def generation_failed(qualname: str, e: Exception) -> str:
+    """The reason a site falls back when its kernel could not be generated or loaded at capture
+    time, warned about once per reason (a refused cache directory has warned already)."""
+    if getattr(e, "short", None):
+        return e.short
+    why = f"kernel generation failed: {type(e).__name__}: {e}"
+    if not getattr(e, "warned", False):
+        warn_once(("generation", why), f"kernelgraft: {qualname}: {why}. Its sites run their stock PyTorch code.")
+    return why
 
 
 def has_failed(name: str, device_type: str) -> bool:
     return bool(FAILED) and (name, device_type) in FAILED
 
 
-def record_failure(name: str, dev: torch.device, e: Exception, consequence: str) -> None:
-    """Record a generated kernel that failed to load, compile or launch (FAILED), and warn once."""
+def record_failure(name: str, dev: torch.device, e: Exception, consequence: str, spelling=None, dtype=None) -> None:
+    """Record a generated kernel that failed to load, compile or launch (FAILED), and warn once,
+    naming the sites it served (spelling and dtype: the sites' key, see site_key)."""
     key = (name, dev.type)
-    if key not in FAILED:
-        FAILED[key] = f"{type(e).__name__}: {e}"[:500]
-        warnings.warn(
-            f"kernelgraft: the generated kernel {name} failed on {dev.type} ({FAILED[key][:200]}). "
-            f"{consequence}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    if key in FAILED:
+        return
+    why = f"{type(e).__name__}: {e}"[:1000]
+    FAILED[key] = why
+    where = ""
+    if spelling is not None:
+        skey = site_key(spelling.qualname, dev.type, dtype)
+        _FAILED_SITES.setdefault(skey, why)
+        mods = _SITES.get(skey, [])
+        shown = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+        where = f" Sites that fell back ({spelling.qualname}, {skey[2]}): {shown or 'those of this spelling'}."
+    warn_once(
+        ("failed",) + key,
+        f"kernelgraft: the generated kernel {name} failed on {dev.type} ({why}).{where} {consequence} "
+        "model.kernelgraft_report lists them as fell back.",
+        stacklevel=5,
+    )
+
+
+_AUTOCAST_KEYS = [getattr(torch._C.DispatchKey, k) for k in dir(torch._C.DispatchKey) if k.startswith("Autocast")]
+
+
+@contextmanager
+def as_in_eager():
+    """Dispatch as plain eager code does. An op's implementation called from a compiled graph runs
+    with the autograd and functorch dispatch keys excluded, and torch.func's transforms then fail
+    ("Cannot access storage of TensorWrapper"): the stock code's gradients are computed with them
+    restored (autocast stays off, as in any op's implementation)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keep = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+    for k in _AUTOCAST_KEYS:
+        if excluded.has(k):
+            keep = keep | torch._C.DispatchKeySet(k)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep):
+        yield
 
 
 def spelling_vjp(spelling, named: dict, diff: list[str], cotangent) -> tuple[torch.Tensor, dict]:
@@ -38,8 +109,9 @@ def spelling_vjp(spelling, named: dict, diff: list[str], cotangent) -> tuple[tor
         call = dict(named, **dict(zip(diff, ts)))
         return spelling.fn(*(call[a] for a in spelling.arg_names))
 
-    y, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
-    return y, dict(zip(diff, vjp(cotangent(y))))
+    with as_in_eager():
+        y, vjp = torch.func.vjp(f, *(named[n].detach() for n in diff))
+        return y, dict(zip(diff, vjp(cotangent(y))))
 
 
 def reference_gradients(spelling, grad: torch.Tensor, args: tuple, needs: list[bool]) -> list[torch.Tensor]:

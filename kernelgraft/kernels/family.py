@@ -19,6 +19,8 @@ launch is recorded once, warned about, and its sites run the spelling's own PyTo
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 from dataclasses import dataclass
 
@@ -142,19 +144,35 @@ def traceable_impl(target):
 _EAGER: dict[object, object] = {}
 
 
+_AUTOCAST = functools.reduce(
+    operator.or_,
+    [torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in dir(torch._C.DispatchKey) if k.startswith("Autocast")],
+)
+
+
 def eager_call(name: str, impl, setup_context, backward):
     """impl (the op's implementation) as an autograd.Function's forward, with the op's own
     setup_context and backward (which should call the backward's implementation, not its op)."""
 
     def forward(ctx, *args):
-        out = impl(*args)
+        if torch._C._is_any_autocast_enabled():  # as the dispatcher calls an op: autocast off inside
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+                out = impl(*args)
+        else:
+            out = impl(*args)
         setup_context(ctx, args, out)
         return out
+
+    def backward_(ctx, *grads):
+        if torch._C._is_any_autocast_enabled():
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+                return backward(ctx, *grads)
+        return backward(ctx, *grads)
 
     fn = type(
         name,
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+        {"forward": staticmethod(forward), "backward": staticmethod(backward_)},
     )
 
     def call(*args):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 
 from .._dynamo import fresh_entry
+from ..kernels.fallback import warn_once
 from ..kernels.lm_head import explain_markers
 from ..options import Options
 from .backend import Grafter
@@ -90,17 +92,114 @@ def optimize(
     )
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
+    settings = dict(backend=backend, patterns=patterns, dynamic=dynamic, **{
+        k: getattr(options, k) for k in ("keep_logits", "lm_head_chunk", "lm_head_accumulate", "recompute",
+                                         "ddp_piece_mb", "mode", "launch")
+    }, causal_attention=bool(causal_attention))
+    # copies stay optimized: copy.deepcopy, pickle and torch.save find these on the instance
+    model.__dict__["__deepcopy__"] = functools.partial(_deepcopy, model, settings)
+    model.__dict__["__reduce_ex__"] = functools.partial(_reduce_ex, model, settings)
     return model
 
 
+# what optimize() adds to a model's instance dict: left out of a copy, which gets its own
+_ADDED = ("__deepcopy__", "__reduce_ex__", "_compiled_call_impl", "kernelgraft_report")
+
+
+def _without_added(model):
+    """A context in which `model` looks as it did before optimize (for the copy machinery)."""
+
+    class _Ctx:
+        def __enter__(self):
+            self.saved = {k: model.__dict__.pop(k) for k in _ADDED if k in model.__dict__}
+
+        def __exit__(self, *exc):
+            model.__dict__.update(self.saved)
+
+    return _Ctx()
+
+
+def _deepcopy(model, settings, memo):
+    """copy.deepcopy of an optimized model: the copy of the plain model, optimized as the original
+    was (its own compiled call and report; it compiles on its first call)."""
+    with _without_added(model):
+        clone = copy.deepcopy(model, memo)
+    return optimize(clone, **settings)
+
+
+def _reduce_ex(model, settings, protocol):
+    """pickle / torch.save of an optimized model: the plain model's state, and on loading it is
+    optimized again as the original was (kernelgraft must be importable where it is loaded)."""
+    with _without_added(model):
+        rv = model.__reduce_ex__(protocol)
+    if not isinstance(rv, tuple) or len(rv) < 3:
+        return rv
+    return (rv[0], rv[1], (rv[2], settings), None, None, _restore)
+
+
+def _restore(obj, state) -> None:
+    """The state setter of an unpickled optimized model: its state, then optimize()."""
+    plain, settings = state
+    if hasattr(obj, "__setstate__"):
+        obj.__setstate__(plain)
+    else:  # pragma: no cover - every nn.Module has __setstate__
+        obj.__dict__.update(plain)
+    optimize(obj, **settings)
+
+
 def _call(compiled, model, *args, **kwargs):
+    if torch.compiler.is_compiling():  # an outer torch.compile is tracing this call: run it as is
+        return _nested(compiled, model, *args, **kwargs)
+    return _run(compiled, model, *args, **kwargs)
+
+
+def _run(compiled, model, *args, **kwargs):
     # floats the model reads (a norm's eps, a logit scale) stay numbers in the captured graph: with
     # dynamic=True dynamo would make them inputs, and the patterns that take them as a Scalar
     # (RMSNorm's eps) would no longer match. A float that changes between calls recompiles instead.
-    with torch._dynamo.config.patch(specialize_float=True):
+    # hooks are guarded: a hook registered after the first call recompiles, and then runs (torch.compile
+    # alone skips those guards, and such a hook is never called)
+    with torch._dynamo.config.patch(specialize_float=True, skip_nnmodule_hook_guards=False):
         out = compiled(model, *args, **kwargs)
+    rep = model.kernelgraft_report
+    if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)
+        rep.hooks_seen_at = rep.graphs
+        _warn_backward_hooks(model)
     # logits the fused LM head never made: the report confirms that this model withholds them
     return explain_markers(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
+
+
+def _warn_backward_hooks(model) -> None:
+    """Modules with full backward hooks: dynamo breaks the graph at each, and the sites around the
+    breaks are captured in pieces or not at all. Said once per model and set of modules."""
+    hooked = [
+        name or "<top>"
+        for name, mod in model.named_modules()
+        if any(getattr(mod, a, None) for a in ("_backward_hooks", "_backward_pre_hooks"))
+    ]
+    if hooked:
+        shown = ", ".join(hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
+        warn_once(
+            ("backward hooks", id(model), tuple(hooked)),
+            f"kernelgraft: full backward hooks on {shown} ({type(model).__name__}): torch.compile breaks "
+            "the model's graph at each hooked module, and kernelgraft serves only the sites it still "
+            f"captures whole ({model.kernelgraft_report.counts()}). Remove the hooks (handle.remove()) "
+            "for full speed; forward hooks do not break the graph.",
+        )
+
+
+@torch.compiler.disable
+def _nested(compiled, model, *args, **kwargs):
+    """A call traced by an outer torch.compile (`torch.compile(model)` of an optimized model): not
+    traced, but run as it is (its own compiled graphs, kernels included); the outer compile breaks
+    its graph here."""
+    warn_once(
+        ("nested", id(model)),
+        f"kernelgraft: torch.compile of a model that kernelgraft.optimize compiled already "
+        f"({type(model).__name__}): the model runs its own compiled graphs with kernelgraft's kernels, and "
+        "the outer torch.compile adds nothing around it. Call the model directly.",
+    )
+    return _run(compiled, model, *args, **kwargs)
 
 
 def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteReport:

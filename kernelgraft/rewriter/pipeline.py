@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import CGraph, canonicalize
+from ..kernels.fallback import register_site, site_key
 from ..options import Options
 from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
@@ -94,6 +95,8 @@ def _serve(g: Graft, m: Match) -> None:
     g.report.sites.append(rec)
     if not g.dry_run:
         g.entries.append((rec, sp, rewrite(g.gm, m, g.redirect, g.options), None))
+        if rec.device:  # named by the warning if its kernel fails at run time
+            register_site(site_key(sp.qualname, rec.device, rec.dtype), rec.module)
         return
     if g.probe is None:  # the graph stays as captured: values no fx node computes stay None
         nodes = {a: c.fx for a, c in m.tensors.items()}

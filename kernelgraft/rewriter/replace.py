@@ -30,7 +30,11 @@ def site_record(m: Match) -> SiteRecord:
         if meta is not None:
             shapes[name] = tuple(int(s) if isinstance(s, int) else s for s in meta.shape)
             dtypes[name] = str(meta.dtype).replace("torch.", "")
-    return SiteRecord(sp.pattern, sp.name, module_path(m.output.fx), shapes, dtypes, dict(m.scalars))
+    rec = SiteRecord(sp.pattern, sp.name, module_path(m.output.fx), shapes, dtypes, dict(m.scalars))
+    first = m.tensors.get(sp.tensor_names[0]) if sp.tensor_names else None
+    if first is not None and first.meta is not None:
+        rec.device, rec.dtype = first.meta.device.type, dtypes.get(sp.tensor_names[0], "")
+    return rec
 
 
 def refusal(m: Match, options, training: bool) -> str | None:

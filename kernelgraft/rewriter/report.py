@@ -6,6 +6,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..kernels.fallback import failure_of, site_key
+
 _PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
 
 
@@ -28,22 +30,43 @@ class SiteRecord:
     shapes: dict  # argument name -> shape tuple
     dtypes: dict  # argument name -> dtype name
     scalars: dict  # captured Scalar arguments, e.g. {'eps': 1e-06}
-    replaced: bool = True
+    served: bool = True  # the rewrite put a kernel there (see `replaced` for what runs now)
     reason: str = ""  # why it fell back, when it did
     graph: object = 0  # the capture: (dynamo frame id, compile number) where dynamo tells
     paired: bool = False  # served by one launch together with a sibling site (q and k of a layer)
     withheld: list = field(default_factory=list)  # values the graph returned that the kernel never made
+    device: str = ""  # device type of the site's first tensor argument
+    dtype: str = ""  # and its dtype: with the spelling, which kernel serves the site
+
+    def failure(self) -> str | None:
+        """Why the kernel serving this site failed at run time in this process (None: it did not):
+        the site then runs its stock code."""
+        if not self.served or not self.device:
+            return None
+        return failure_of(site_key(f"{self.pattern}.{self.spelling}", self.device, self.dtype))
+
+    @property
+    def replaced(self) -> bool:
+        """A kernel serves the site now: the rewrite put it there and it has not failed since."""
+        return self.served and self.failure() is None
+
+    @replaced.setter
+    def replaced(self, value: bool) -> None:
+        self.served = value
+
+    def status(self) -> str:
+        if not self.served:
+            return f"fell back: {self.reason}"
+        why = self.failure()
+        if why:
+            return f"fell back at run time: {why}"
+        return "replaced, paired launch" if self.paired else "replaced"
 
     def row(self) -> list[str]:
         shapes = ", ".join(f"{k}{list(v)}" for k, v in self.shapes.items())
         dtypes = ",".join(sorted(set(self.dtypes.values())))
         scal = ", ".join(f"{k}={v:g}" for k, v in self.scalars.items())
-        status = (
-            ("replaced, paired launch" if self.paired else "replaced")
-            if self.replaced
-            else f"fell back: {self.reason}"
-        )
-        return [f"{self.pattern}.{self.spelling}", self.module, shapes, dtypes, scal, status]
+        return [f"{self.pattern}.{self.spelling}", self.module, shapes, dtypes, scal, self.status()]
 
 
 @dataclass
@@ -67,7 +90,9 @@ class NearMiss:
 
 @dataclass
 class RewriteReport:
-    """Per capture: `.sites` (replaced), `.fallbacks`, `.near_misses`, `.counts()`; `str()` is a table."""
+    """Per capture: `.sites` (replaced by the rewrite), `.fallbacks` (refused at capture),
+    `.near_misses`, `.counts()`; `str()` is a table. A site whose kernel failed later, at run time,
+    stays in `.sites` but is no longer `replaced`, nor counted: `fell_back_at_run_time()` lists them."""
 
     sites: list[SiteRecord] = field(default_factory=list)
     fallbacks: list[SiteRecord] = field(default_factory=list)
@@ -84,14 +109,20 @@ class RewriteReport:
     # kernel op calls in inductor's compiled graphs (rewriter/lowering.py): "inductor" for those its
     # generated code launches, "host: <why>" for those left to the Python launcher
     launched_by: Counter = field(default_factory=Counter, repr=False, compare=False)
+    hooks_seen_at: int = field(default=-1, repr=False, compare=False)  # graphs when hooks were last looked at
 
     def counts(self) -> dict[str, int]:
-        """Pattern name -> number of sites replaced."""
-        return dict(Counter(s.pattern for s in self.sites))
+        """Pattern name -> number of sites replaced (whose kernels run now)."""
+        return dict(Counter(s.pattern for s in self.sites if s.replaced))
+
+    def fell_back_at_run_time(self) -> list[SiteRecord]:
+        """Sites the rewrite replaced whose kernel then failed at run time: they run stock code."""
+        return [s for s in self.sites if not s.replaced]
 
     def launches(self) -> int:
         """Kernel launches per forward: one per site, one per pair of paired sites."""
-        return len(self.sites) - sum(s.paired for s in self.sites) // 2
+        live = [s for s in self.sites if s.replaced]
+        return len(live) - sum(s.paired for s in live) // 2
 
     def extend(self, other: RewriteReport, frame=None) -> None:
         """Add one capture's records. frame: (dynamo's frame id, its compile number). A recapture of
@@ -121,7 +152,11 @@ class RewriteReport:
         head = ["pattern", "module", "shapes", "dtypes", "scalars", "status"]
         rows = [s.row() for s in self.sites + self.fallbacks]
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items())) or "none"
-        out = [f"kernelgraft: {len(self.sites)} site(s) replaced in {self.graphs} graph(s) ({counts})"]
+        lost = self.fell_back_at_run_time()
+        out = [
+            f"kernelgraft: {len(self.sites) - len(lost)} site(s) replaced in {self.graphs} graph(s) ({counts})"
+            + (f"; {len(lost)} fell back at run time (their kernels failed: stock code runs)" if lost else "")
+        ]
         if rows:
             out.append(_table(head, rows))
         if self.near_misses:

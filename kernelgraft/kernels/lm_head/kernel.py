@@ -223,7 +223,7 @@ def forward(
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 - generated source that does not load: the caller falls back
-        _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
+        _failed(spelling, W.dtype, rounding, dev, e)
         raise KernelFailed from e
     H, V = W.shape[1], W.shape[0]
     h2 = h.reshape(-1, H)
@@ -267,7 +267,7 @@ def forward(
                 **opts,
             )
         except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
-            _failed(kernel_name(spelling, W.dtype, rounding), dev, e)
+            _failed(spelling, W.dtype, rounding, dev, e)
             raise KernelFailed from e
         if needs_h:
             torch.mm(z, W, out=dh[c0:c1])
@@ -292,13 +292,15 @@ class KernelFailed(Exception):
     """The CE kernel failed to compile or launch (recorded in FAILED, warned about once)."""
 
 
-def _failed(name: str, dev: torch.device, e: Exception) -> None:
+def _failed(spelling, dtype: torch.dtype, rounding: str, dev: torch.device, e: Exception) -> None:
     record_failure(
-        name,
+        kernel_name(spelling, dtype, rounding),
         dev,
         e,
-        "Its LM-head sites run their stock PyTorch code from now on: same numbers as without "
-        "kernelgraft, and the full logits in memory again.",
+        "They run their stock PyTorch code from now on: same numbers as without kernelgraft, and "
+        "the full logits in memory again.",
+        spelling,
+        dtype,
     )
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fallback import has_failed, spelling_vjp
+from ..fallback import generation_failed, has_failed, spelling_vjp
 from ..family import Unsupported, cached_op, op_name
 from ..spec import SERVED
-from .kernel import KernelFailed, forward, kernel_name
+from .kernel import KernelFailed, _kernel, forward, kernel_name
 from .transform import transform, transform_graph
 
 ABI = 2  # in every op name (family.op_name): bump it when the ops' schemas change
@@ -260,6 +260,12 @@ def refusal(spelling, metas: dict, rounding: str, training: bool) -> str | None:
         transform(spelling, W.dtype, rounding)
     except Unsupported as e:
         return str(e)
+    try:  # generated and loaded now, so a kernel that cannot be is a fallback reported here
+        _kernel(spelling, W.dtype, rounding, W.device.type)
+    except Unsupported as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a generator or cache failure falls back, reported, never wrong
+        return generation_failed(spelling.qualname, e)
     return None
 
 

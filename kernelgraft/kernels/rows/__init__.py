@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fallback import generation_failed
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
 from . import layout
 from .build import MAX_N, MAX_ROWS, RowKernel, row_kernel
@@ -32,7 +33,7 @@ class RowFamily(Family):
         except (Unsupported, ValueError) as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong
-            return f"kernel generation failed: {type(e).__name__}: {e}"
+            return generation_failed(spelling.qualname, e)
         return None
 
     def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None) -> GraftedOp:

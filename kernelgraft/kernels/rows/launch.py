@@ -95,7 +95,7 @@ def forward_group(
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or launch: the stock code runs
         if tracing():
             raise
-        _failed(k, dev, e)
+        _failed(k, dev, e, spelling, groups)
         return [_reference_forward(spelling, a, k) for a in arg_sets]
     return results
 
@@ -248,7 +248,7 @@ def backward_group(
         except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
             if tracing():
                 raise
-            _failed(k, dev, e)
+            _failed(k, dev, e, spelling, groups)
             return reference()
     out = []
     try:
@@ -260,7 +260,7 @@ def backward_group(
     except Exception as e:  # noqa: BLE001 - as above
         if tracing():
             raise
-        _failed(k, dev, e)
+        _failed(k, dev, e, spelling, groups)
         return reference()
     for g, bufs, own in zip(groups, elem_bufs, needs_per_set):
         res = []
@@ -303,13 +303,16 @@ def _untraced(k: RowKernel) -> None:
         raise NotTraceable(f"{k.spec.name} failed in this process: its sites run the stock code")
 
 
-def _failed(k: RowKernel, dev: torch.device, e: Exception) -> None:
+def _failed(k: RowKernel, dev: torch.device, e: Exception, spelling, groups: list[Group]) -> None:
+    first = groups[0].tensors[spelling.tensor_names[0]]
     record_failure(
         k.spec.name,
         dev,
         e,
-        "Its sites run their stock PyTorch code from now on: same numbers as without kernelgraft, "
+        "They run their stock PyTorch code from now on: same numbers as without kernelgraft, "
         f"without the speed-up. Generated source: {k.path}",
+        spelling,
+        first.dtype,
     )
 
 

@@ -1,6 +1,8 @@
 """How tensors reach the kernels: read in place through per-tensor strides (HF's transposed q and
 cos/sin broadcast over heads are never copied), and two sites in one launch (q and k of a layer)."""
 
+import warnings
+
 import pytest
 import torch
 from tiny import batch, compare_models, tiny_model
@@ -311,6 +313,7 @@ def broken_kernels(monkeypatch):
     real = lm_kernel._kernel
     monkeypatch.setattr(lm_kernel, "_kernel", lambda *a: (Broken(), real(*a)[1]))
     monkeypatch.setattr(fallback, "FAILED", {})
+    monkeypatch.setattr(fallback, "_FAILED_SITES", {})
     return fallback
 
 
@@ -328,15 +331,32 @@ def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(broken_kernels
     assert any("rms_norm" in k[0] and "injected" in v for k, v in failed_kernels().items())
 
 
-def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels):
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, backend):
+    """Every family's kernel fails at its first launch (the sites were replaced at capture): the
+    step trains on with the stock code's numbers, a warning names the sites, and the report says
+    they fell back. Under inductor the stock gradients are computed inside a compiled graph."""
     stock = tiny_model("llama")
-    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager")
-    with pytest.warns(RuntimeWarning, match="stock PyTorch code"):
+    mine = kernelgraft.optimize(tiny_model("llama"), backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         verdicts = compare_models(mine, stock, batch(), compiled=False)
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
-    # norm, rope (paired), gated mlp, the LM head's CE kernel: each warned once
-    assert len(broken_kernels.FAILED) >= 4
+    said = [str(w.message) for w in caught if "kernelgraft: the generated kernel" in str(w.message)]
+    # norm, rope (paired), gated mlp, the LM head's CE kernel: each warned once, naming its sites
+    assert len(said) == len(broken_kernels.FAILED) >= 4, said
     assert any(k[0].startswith("lm_head_ce") for k in broken_kernels.FAILED)
+    assert any("model.layers.0.input_layernorm" in s and "injected" in s for s in said), said
+    assert any("model.layers.1.mlp" in s for s in said), said
+    rep = mine.kernelgraft_report
+    assert len(rep.sites) == 12 and rep.counts() == {} and len(rep.fell_back_at_run_time()) == 12
+    assert all(r.status().startswith("fell back at run time: RuntimeError: injected") for r in rep.sites)
+    assert "0 site(s) replaced" in str(rep) and "replaced" not in {r.row()[-1] for r in rep.sites}
+    # and it stays so: the next step runs the stock code without a second warning
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        mine(**batch(seed=2)).loss.backward()
+    assert not [w for w in again if "kernelgraft" in str(w.message)]
 
 
 def _real_and_fake(call, tensors):

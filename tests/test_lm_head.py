@@ -176,6 +176,7 @@ def broken_ce_kernel(monkeypatch):
 
     monkeypatch.setattr(lm_kernel, "_kernel", lambda *a: (Broken(), real(*a)[1]))
     monkeypatch.setattr(fallback, "FAILED", {})
+    monkeypatch.setattr(fallback, "_FAILED_SITES", {})
     return fallback
 
 

@@ -74,10 +74,10 @@ def record_failure(name: str, dev: torch.device, e: Exception, consequence: str,
         mods = _SITES.get(skey, [])
         shown = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
         where = f" Sites that fell back ({spelling.qualname}, {skey[2]}): {shown or 'those of this spelling'}."
-    warn_once(
-        ("failed",) + key,
+    warnings.warn(  # once: the kernel is recorded, and not run again in this process
         f"kernelgraft: the generated kernel {name} failed on {dev.type} ({why}).{where} {consequence} "
         "model.kernelgraft_report lists them as fell back.",
+        RuntimeWarning,
         stacklevel=5,
     )
 

@@ -352,11 +352,18 @@ def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, ba
     assert len(rep.sites) == 12 and rep.counts() == {} and len(rep.fell_back_at_run_time()) == 12
     assert all(r.status().startswith("fell back at run time: RuntimeError: injected") for r in rep.sites)
     assert "0 site(s) replaced" in str(rep) and "replaced" not in {r.row()[-1] for r in rep.sites}
-    # and it stays so: the next step runs the stock code without a second warning
+    # and it stays so: the next step runs the stock code without a second warning, also for a loss
+    # gradient that is not a power of two (the LM head's stock gradients made again in the backward)
+    b2 = batch(seed=2)
+    for m in (mine, stock):
+        m.zero_grad(set_to_none=True)
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
-        mine(**batch(seed=2)).loss.backward()
+        (mine(**b2).loss * 0.3).backward()
     assert not [w for w in again if "kernelgraft" in str(w.message)]
+    (stock(**b2).loss * 0.3).backward()
+    for (n, p), q in zip(mine.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 
 def _real_and_fake(call, tensors):

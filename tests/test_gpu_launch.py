@@ -113,6 +113,54 @@ def test_the_traced_launch_runs_no_python_launcher():
     assert calls == []
 
 
+def test_inductor_launches_the_kernels_through_its_static_launcher():
+    """Every kernel kernelgraft traced is launched by inductor's static launcher (as its own kernels
+    are), not through Triton's Python-side launcher."""
+    import gc
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from kernelgraft.kernels.launching import TRACED_KERNELS
+
+    model = tiny_model("llama", torch.bfloat16, device="cuda")
+    kernelgraft.optimize(model)
+    _step(model, batch(B=2, S=32, device="cuda"))
+    kinds = {}
+    for o in gc.get_objects():
+        try:
+            if not isinstance(o, CachingAutotuner):
+                continue
+        except ReferenceError:
+            continue
+        name = getattr(o.fn, "__name__", None)
+        if name in TRACED_KERNELS:
+            kinds.setdefault(name, set()).update(type(r).__name__ for r in o.compile_results)
+    assert kinds and all(k == {"StaticTritonCompileResult"} for k in kinds.values()), kinds
+
+
+@pytest.mark.parametrize("backend", ["inductor", "eager"])
+def test_autocast_on_cuda_is_served_and_passes_the_rule(backend):
+    """float32 weights under CUDA's bf16 autocast, labels given: every site served (the LM head in
+    bf16, as autocast's linear), loss and gradients by the rule beside eager under autocast."""
+    import copy
+
+    from tiny import loss_and_grads
+
+    from kernelgraft.gradcheck import judge
+
+    stock = tiny_model("llama", device="cuda")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
+    b = batch(device="cuda")
+    truth_loss, truth = loss_and_grads(copy.deepcopy(stock).double(), b)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager_loss, eager = loss_and_grads(stock, b)
+        loss, got = loss_and_grads(mine, b)
+    verdicts = [judge("loss", truth_loss, loss, eager_loss)]
+    verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n]) for n in truth]
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+    assert mine.kernelgraft_report.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_cuda_graphs_run_the_kernels_with_exact_gradients_for_any_loss_gradient(arch):
     from torch._dynamo.utils import counters

@@ -34,6 +34,8 @@ def launch_options(rounding: str, dtypes, device_type: str) -> dict:
 # ---- launched by inductor: the launcher traced into the compiled graph --------------------------
 
 _TRACING: list[bool] = []
+# names of the Triton kernels recorded while tracing: inductor launches these (rewriter/lowering.py)
+TRACED_KERNELS: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -57,6 +59,7 @@ def tracing() -> bool:
 def launcher(fn):
     """`fn` (a Triton kernel) as the launcher calls it: itself, or while tracing, wrapped for it."""
     if _TRACING:
+        TRACED_KERNELS.add(getattr(fn, "__name__", ""))
         return torch.library.wrap_triton(fn)
     return fn
 

@@ -118,11 +118,6 @@ class Grafter:
                     launch=o.inductor_launches,
                     launches=self.report.launched_by,
                 )
-            if o.inductor_launches and hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
-                # kernelgraft's launches are user-defined kernels to inductor, which by default launches
-                # those through Triton's own launcher (binding every argument in Python: about 70 µs a
-                # launch on an H200 host) rather than its static launcher (a few µs): the same cubin
-                patches["static_launch_user_defined_triton_kernels"] = True
             extra = {}
             if o.inductor_launches:  # each launch's kernel analysed once per specialization
                 from torch._inductor.compile_fx import compile_fx_inner

@@ -31,7 +31,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..kernels.family import eager_call_of, traceable_impl
-from ..kernels.launching import traced_launches
+from ..kernels.launching import TRACED_KERNELS, traced_launches
 from . import recompute
 
 
@@ -249,11 +249,67 @@ def memoized_kernel_analysis():
             setattr(wrap, name, fn)
 
 
+@contextlib.contextmanager
+def static_launches():
+    """Inside the block, the kernels kernelgraft's launchers were traced with are launched by
+    inductor's static launcher, as inductor launches its own kernels. To inductor they are
+    user-defined kernels, which it compiles in its worker processes under its default of launching
+    them through Triton's own launcher (each argument bound in Python on every launch): 308 of the
+    135M step's launches (H200 profile). Their compiled results are swapped for static ones in this
+    process, before inductor makes their launchers; the same cubin. Anything unexpected (another
+    torch, a kernel the static launcher cannot take) leaves a result as it is."""
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.runtime import triton_heuristics as th
+
+        tuner, dynamic, static = th.CachingAutotuner, th.TritonCompileResult, th.StaticTritonCompileResult
+        user = th.HeuristicType.USER_AUTOTUNE
+        usable = hasattr(inductor_config, "static_launch_user_defined_triton_kernels") and bool(
+            getattr(inductor_config, "use_static_cuda_launcher", False)
+        )
+    except (ImportError, AttributeError):
+        usable = False
+    if not usable:
+        yield
+        return
+
+    def as_static(result, at):
+        if type(result) is not dynamic:
+            return result
+        try:
+            with inductor_config.patch(static_launch_user_defined_triton_kernels=True):
+                kernel = static.can_statically_launch(result.kernel, at.inductor_meta, at.triton_meta, user)
+            if kernel is None:
+                return result
+            return static(kernel, result.config, result.compile_meta, result.inductor_meta)
+        except Exception:  # noqa: BLE001 - not as this torch builds it: Triton's launcher, as before
+            return result
+
+    original = tuner.precompile
+
+    def precompile(self, *args, **kwargs):
+        if (
+            self.heuristic_type == user
+            and self.compile_results
+            and not self.launchers
+            and getattr(self.fn, "__name__", None) in TRACED_KERNELS
+        ):
+            self.compile_results = [as_static(r, self) for r in self.compile_results]
+        return original(self, *args, **kwargs)
+
+    tuner.precompile = precompile
+    try:
+        yield
+    finally:
+        tuner.precompile = original
+
+
 def memoizing_inner_compile(inner):
-    """inductor's inner compile (forward and backward graphs alike), under memoized_kernel_analysis."""
+    """inductor's inner compile (forward and backward graphs alike), under memoized_kernel_analysis
+    and static_launches."""
 
     def compile_graph(*args, **kwargs):
-        with memoized_kernel_analysis():
+        with memoized_kernel_analysis(), static_launches():
             return inner(*args, **kwargs)
 
     return compile_graph

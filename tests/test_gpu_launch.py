@@ -141,7 +141,8 @@ def test_inductor_launches_the_kernels_through_its_static_launcher():
 @pytest.mark.parametrize("backend", ["inductor", "eager"])
 def test_autocast_on_cuda_is_served_and_passes_the_rule(backend):
     """float32 weights under CUDA's bf16 autocast, labels given: every site served (the LM head in
-    bf16, as autocast's linear), loss and gradients by the rule beside eager under autocast."""
+    bf16, as autocast's linear), loss and gradients by the rule beside eager and, for the inductor
+    backend, torch.compile under autocast."""
     import copy
 
     from tiny import loss_and_grads
@@ -152,11 +153,14 @@ def test_autocast_on_cuda_is_served_and_passes_the_rule(backend):
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
     b = batch(device="cuda")
     truth_loss, truth = loss_and_grads(copy.deepcopy(stock).double(), b)
+    comp = copy.deepcopy(stock)  # the rule's second reference where inductor compiles the rest
+    comp.compile()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager_loss, eager = loss_and_grads(stock, b)
+        comp_loss, compiled = loss_and_grads(comp, b) if backend == "inductor" else (None, {})
         loss, got = loss_and_grads(mine, b)
-    verdicts = [judge("loss", truth_loss, loss, eager_loss)]
-    verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n]) for n in truth]
+    verdicts = [judge("loss", truth_loss, loss, eager_loss, comp_loss)]
+    verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n], compiled.get(n)) for n in truth]
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
     assert mine.kernelgraft_report.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
 

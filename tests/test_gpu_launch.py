@@ -162,7 +162,9 @@ def test_autocast_on_cuda_is_served_and_passes_the_rule(backend):
     verdicts = [judge("loss", truth_loss, loss, eager_loss, comp_loss)]
     verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n], compiled.get(n)) for n in truth]
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
-    assert mine.kernelgraft_report.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+    counts = mine.kernelgraft_report.counts()  # on CUDA the attention rewrites are counted too
+    full = {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+    assert {k: counts.get(k) for k in full} == full, counts
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])

@@ -34,6 +34,9 @@ class Options:
     keep_logits: bool = False
     lm_head_chunk: int | None = None  # tokens per chunk; None: a chunk of logits of at most 256 MiB
     lm_head_accumulate: str = "fp32"
+    # a budget in GiB for the fused LM head's working memory (it then picks chunk and accumulation),
+    # or "min"; None: chunks of lm_head_chunk tokens, or of at most 256 MiB of logits
+    lm_head_memory: float | str | None = None
     causal_attention: bool = True
     recompute: bool | str = True  # True, False or "separate"
     ddp_piece_mb: float | None = DDP_PIECE_MB
@@ -69,6 +72,18 @@ class Options:
         chunk = self.lm_head_chunk
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"kernelgraft: lm_head_chunk must be a positive number of tokens, got {chunk!r}")
+        mem = self.lm_head_memory
+        if mem is not None and mem != "min" and (
+            isinstance(mem, bool) or not isinstance(mem, (int, float)) or not mem > 0
+        ):
+            raise ValueError(
+                f"kernelgraft: lm_head_memory must be a positive budget in GiB, \"min\" or None, got {mem!r}"
+            )
+        if mem is not None and chunk is not None:
+            raise ValueError(
+                "kernelgraft: set lm_head_memory (a budget: kernelgraft picks the chunk) or lm_head_chunk "
+                "(the chunk itself), not both"
+            )
         for name in ("keep_logits", "causal_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kernelgraft: {name} must be True or False, got {getattr(self, name)!r}")

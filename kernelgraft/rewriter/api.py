@@ -24,6 +24,7 @@ def optimize(
     keep_logits: bool = Options.keep_logits,
     lm_head_chunk: int | None = Options.lm_head_chunk,
     lm_head_accumulate: str = Options.lm_head_accumulate,
+    lm_head_memory: float | str | None = Options.lm_head_memory,
     causal_attention: bool = Options.causal_attention,
     recompute: bool | str = Options.recompute,
     ddp_piece_mb: float | None = Options.ddp_piece_mb,
@@ -45,7 +46,12 @@ def optimize(
     `torch.no_grad()`, logits are returned as usual. `lm_head_chunk` sets the tokens per chunk
     (default: a chunk of logits of at most 256 MiB); `lm_head_accumulate` is "fp32" (the weight
     gradient summed in float32: as accurate as the unfused model) or "weight" (in the weight's
-    dtype: half the memory, less accurate). `causal_attention` (default on): an attention call
+    dtype: half the memory, less accurate). `lm_head_memory` is a budget in GiB for what the fused
+    head holds at once besides its inputs (the weight gradient, float32 while it is summed in
+    float32, h's gradient, one chunk of logits): it then picks the largest chunk that fits, all
+    tokens in one chunk in the weight's dtype where they fit (one rounding), else float32
+    accumulation where its chunks keep 1024 tokens, else the weight's dtype; "min" takes the
+    weight's dtype and chunks of 512 tokens. `causal_attention` (default on): an attention call
     whose mask the graph proves to be the causal mask runs with `is_causal=True` instead
     (transformers 5.17 and earlier build that mask whenever they are compiled; see
     the rewriter's attention.py). `recompute` (default on; inductor backend): the outputs of
@@ -79,6 +85,7 @@ def optimize(
         keep_logits=keep_logits,
         lm_head_chunk=lm_head_chunk,
         lm_head_accumulate=lm_head_accumulate,
+        lm_head_memory=lm_head_memory,
         causal_attention=bool(causal_attention),
         recompute=recompute,
         ddp_piece_mb=ddp_piece_mb,
@@ -93,7 +100,7 @@ def optimize(
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
     settings = dict(backend=backend, patterns=patterns, dynamic=dynamic, **{
-        k: getattr(options, k) for k in ("keep_logits", "lm_head_chunk", "lm_head_accumulate", "recompute",
+        k: getattr(options, k) for k in ("keep_logits", "lm_head_chunk", "lm_head_accumulate", "lm_head_memory", "recompute",
                                          "ddp_piece_mb", "mode", "launch")
     }, causal_attention=bool(causal_attention))
     # copies stay optimized: copy.deepcopy, pickle and torch.save find these on the instance

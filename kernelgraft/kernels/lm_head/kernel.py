@@ -38,7 +38,7 @@ import torch
 from ...options import ACCUMULATE
 from .. import emit
 from ..cache import load_module
-from ..fallback import record_failure
+from ..fallback import record_failure, warn_once
 from ..family import Unsupported
 from ..launching import launch_options, pow2
 from ..spec import SERVED
@@ -143,6 +143,53 @@ def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
     return max(1, min(chunk, max(T, 1)))
 
 
+# tokens of a chunk below which the chunked matmuls lose speed (H200, 128k vocab: 44.8 ms with chunks
+# of 512 tokens, 40.4 with 1024, 39.2 with 2048), and the chunk lm_head_memory="min" takes
+EFFICIENT_CHUNK = 1024
+MIN_MEMORY_CHUNK = 512
+
+
+def plan(T: int, H: int, V: int, itemsize: int, chunk: int, accumulate: str, memory: float) -> tuple[int, str]:
+    """(tokens per chunk, weight-gradient accumulation) for T tokens, H hidden, V vocabulary.
+
+    memory: 0 (no budget): `chunk` tokens if given, else chunk_tokens' default, with `accumulate`
+    as given. > 0: a budget in GiB for what the fused head holds at once besides its inputs - the
+    weight gradient (in float32 while "fp32" sums it), h's gradient, and one chunk of logits - and
+    the plan is the largest chunk in it: all tokens in one chunk in the weight's dtype where that
+    fits (one rounding: as accurate as summing in float32), else float32 accumulation where its
+    chunk still has EFFICIENT_CHUNK tokens, else the weight's dtype (accumulate="weight" given:
+    always). < 0 ("min"): the weight's dtype, MIN_MEMORY_CHUNK tokens."""
+    if memory == 0 or chunk > 0:
+        return chunk_tokens(T, V, itemsize, chunk), accumulate
+    T1 = max(T, 1)
+    if memory < 0:
+        return max(1, min(MIN_MEMORY_CHUNK, T1)), "weight"
+    budget = memory * 2**30
+    row = V * itemsize  # one token's logits
+    dh = T * H * itemsize
+
+    def fit(fixed: float) -> int:
+        c = int(max(budget - fixed, 0) // max(row, 1))
+        if c > 64:
+            c -= c % 64
+        return max(min(c, T1), min(MIN_ROWS, T1))
+
+    weight_chunk = fit(V * H * itemsize + dh)
+    if weight_chunk >= T1 or accumulate == "weight":
+        return weight_chunk, "weight"
+    fp32_chunk = fit(V * H * 4 + dh)
+    if fp32_chunk >= min(EFFICIENT_CHUNK, T1) or itemsize == 4:
+        return fp32_chunk, "fp32"
+    warn_once(
+        ("lm_head_memory", T, H, V, memory),
+        f"kernelgraft: lm_head_memory={memory:g} GiB leaves no room to sum the LM head's weight gradient "
+        f"in float32 at {T} tokens x {H} x {V}: it is summed in the weight's dtype over "
+        f"{-(-T // weight_chunk)} chunks, which rounds once per chunk (the more chunks, the less accurate "
+        "than the unfused model). A larger budget keeps the float32 sum.",
+    )
+    return weight_chunk, "weight"
+
+
 # A chunk has at least this many tokens (or all of them): with fewer rows its matmuls take the CPU
 # BLAS's matrix-vector paths, which sum the vocabulary terms less accurately (fp32, 1-3 rows: 2-3x
 # the error of the same product in a 4-row or larger matmul, measured), so dh lost to eager's.
@@ -207,9 +254,10 @@ def forward(
     accumulate,
     rounding,
     grad_scale: float | torch.Tensor = 1.0,
+    memory: float = 0.0,
 ):
     """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale` (a number, or a tensor of one
-    value on the device), empty where not needed."""
+    value on the device), empty where not needed. chunk, accumulate, memory: see plan()."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     for name, t in (("h", h), ("weight", W)):
@@ -239,13 +287,13 @@ def forward(
         grad_scale = grad_scale.to(torch.float32)
     scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
     dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
+    C, accumulate = plan(T, H, V, W.element_size(), chunk, accumulate, memory)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32
     dW = (
         torch.empty(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
         if needs_w
         else W.new_empty(0)
     )
-    C = chunk_tokens(T, V, W.element_size(), chunk)
     BV, warps = _ce_config(V, dev)
     opts = launch_options(rounding, [W.dtype], dev.type)
     for c0, c1 in chunk_bounds(T, C):

@@ -18,7 +18,7 @@ from ..spec import SERVED
 from .kernel import KernelFailed, _kernel, forward, kernel_name
 from .transform import transform, transform_graph
 
-ABI = 2  # in every op name (family.op_name): bump it when the ops' schemas change
+ABI = 3  # in every op name (family.op_name): bump it when the ops' schemas change
 
 
 def reference(spelling, named: dict, needs_h: bool, needs_w: bool, grad_scale: float = 1.0) -> tuple:
@@ -62,16 +62,17 @@ class LMHeadOp:
     fwd: object
     chunk: int = 0  # tokens per chunk when called directly (0: from the shapes)
     accumulate: str = "fp32"
+    memory: float = 0.0  # a budget in GiB (kernel.plan); -1: the least; 0: none
 
     def __call__(self, *args):
         """The loss, from the spelling's own arguments (what gradcheck and benchmarks call)."""
         named = dict(zip(self.spelling.arg_names, args))
         g = torch.is_grad_enabled()
         flags = (g and named["h"].requires_grad, g and named["weight"].requires_grad)
-        return self.fwd(*args, *flags, self.chunk, self.accumulate)[0]
+        return self.fwd(*args, *flags, self.chunk, self.accumulate, self.memory)[0]
 
-    def configured(self, chunk: int = 0, accumulate: str = "fp32") -> LMHeadOp:
-        return LMHeadOp(self.spelling, self.name, self.fwd, chunk, accumulate)
+    def configured(self, chunk: int = 0, accumulate: str = "fp32", memory: float = 0.0) -> LMHeadOp:
+        return LMHeadOp(self.spelling, self.name, self.fwd, chunk, accumulate, memory)
 
     def bind(self, args: dict, metas: dict, options) -> tuple:
         """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
@@ -86,6 +87,7 @@ class LMHeadOp:
             needs_w,
             int(options.lm_head_chunk or 0),
             options.lm_head_accumulate,
+            memory_gib(options.lm_head_memory),
         )
 
 
@@ -106,22 +108,23 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
     def unpack(args):
         nonlocal tf_scalars
         named = dict(zip(names, args[:n_args]))
-        needs_h, needs_w, chunk, accumulate = args[n_args:]
+        needs_h, needs_w, chunk, accumulate, memory = args[n_args:]
         if tf_scalars is None:
             graph, tf_scalars = transform_graph(sp)
-        return named, needs_h, needs_w, chunk, accumulate
+        return named, needs_h, needs_w, (chunk, accumulate, memory)
 
     def run(args, grad_scale=1.0):
-        named, needs_h, needs_w, chunk, accumulate = unpack(args)
+        named, needs_h, needs_w, how = unpack(args)
         W = named["weight"]
         if has_failed(kernel_name(sp, W.dtype, rounding), W.device.type):
             return reference(sp, named, needs_h, needs_w, grad_scale)
         try:
-            return fused(named, needs_h, needs_w, chunk, accumulate, grad_scale)
+            return fused(named, needs_h, needs_w, how, grad_scale)
         except KernelFailed:
             return reference(sp, named, needs_h, needs_w, grad_scale)
 
-    def fused(named, needs_h, needs_w, chunk, accumulate, grad_scale):
+    def fused(named, needs_h, needs_w, how, grad_scale):
+        chunk, accumulate, memory = how
         return forward(
             sp,
             named["h"],
@@ -136,6 +139,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
             accumulate,
             rounding,
             grad_scale=grad_scale,
+            memory=memory,
         )
 
     def impl(*args):
@@ -146,7 +150,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         return loss, _stash(dh, dW)
 
     def fake(*args):
-        named, _, _, _, _ = unpack(args)
+        named, _, _, _ = unpack(args)
         h, W = named["h"], named["weight"]
         loss = h.new_empty((), dtype=_out_dtype(sp, W.dtype))
         return loss, (loss.new_empty(0) if deferred else _ticket_like())
@@ -158,7 +162,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         lib,
         impl,
         mutates_args=(),
-        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate) -> (Tensor, Tensor)",
+        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate, float memory) -> (Tensor, Tensor)",
     )
     op.register_fake(fake)
     h_idx, w_idx = names.index("h"), names.index("weight")
@@ -189,7 +193,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         return dh, dW
 
     def bwd_fake(g, ticket, *args):
-        named, needs_h, needs_w, _, _ = unpack(args)
+        named, needs_h, needs_w, _ = unpack(args)
         h, W = named["h"], named["weight"]
         return (
             torch.empty_like(h) if needs_h else h.new_empty(0),
@@ -201,7 +205,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         bwd_impl,
         mutates_args=(),
         schema=f"(Tensor g, Tensor ticket, {schema_args}, bool needs_h, bool needs_w, int chunk, "
-        "str accumulate) -> (Tensor, Tensor)",
+        "str accumulate, float memory) -> (Tensor, Tensor)",
     )
     bwd.register_fake(bwd_fake)
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
@@ -213,7 +217,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         ctx.set_materialize_grads(False)
 
     def backward(ctx, g, _ticket):
-        grads = [None] * (n_args + 4)
+        grads = [None] * (n_args + 5)
         if g is None:
             return tuple(grads)
         ticket, *tensors = ctx.saved_tensors
@@ -229,6 +233,13 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
 
     op.register_autograd(backward, setup_context=setup_context)
     return LMHeadOp(sp, name, getattr(torch.ops.kernelgraft, name).default)
+
+
+def memory_gib(memory) -> float:
+    """The op's `memory` argument for Options.lm_head_memory: GiB, -1 for "min", 0 for none."""
+    if memory is None:
+        return 0.0
+    return -1.0 if memory == "min" else float(memory)
 
 
 def _out_dtype(spelling, dtype: torch.dtype) -> torch.dtype:

@@ -6,6 +6,8 @@ own PyTorch code from then on: the same numbers as without kernelgraft.
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 from contextlib import contextmanager
 
@@ -82,7 +84,11 @@ def record_failure(name: str, dev: torch.device, e: Exception, consequence: str,
     )
 
 
-_AUTOCAST_KEYS = [getattr(torch._C.DispatchKey, k) for k in dir(torch._C.DispatchKey) if k.startswith("Autocast")]
+# every autocast dispatch key (a key excluded in the thread's dispatch state: autocast off for that device)
+AUTOCAST = functools.reduce(
+    operator.or_,
+    [torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in dir(torch._C.DispatchKey) if k.startswith("Autocast")],
+)
 
 
 @contextmanager
@@ -91,11 +97,7 @@ def as_in_eager():
     with the autograd and functorch dispatch keys excluded, and torch.func's transforms then fail
     ("Cannot access storage of TensorWrapper"): the stock code's gradients are computed with them
     restored (autocast stays off, as in any op's implementation)."""
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    keep = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
-    for k in _AUTOCAST_KEYS:
-        if excluded.has(k):
-            keep = keep | torch._C.DispatchKeySet(k)
+    keep = torch._C._dispatch_tls_local_exclude_set() & AUTOCAST
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep):
         yield
 

@@ -19,12 +19,12 @@ launch is recorded once, warned about, and its sites run the spelling's own PyTo
 
 from __future__ import annotations
 
-import functools
-import operator
 import re
 from dataclasses import dataclass
 
 import torch
+
+from .fallback import AUTOCAST
 
 
 class Unsupported(Exception):
@@ -144,19 +144,13 @@ def traceable_impl(target):
 _EAGER: dict[object, object] = {}
 
 
-_AUTOCAST = functools.reduce(
-    operator.or_,
-    [torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in dir(torch._C.DispatchKey) if k.startswith("Autocast")],
-)
-
-
 def eager_call(name: str, impl, setup_context, backward):
     """impl (the op's implementation) as an autograd.Function's forward, with the op's own
     setup_context and backward (which should call the backward's implementation, not its op)."""
 
     def forward(ctx, *args):
         if torch._C._is_any_autocast_enabled():  # as the dispatcher calls an op: autocast off inside
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+            with torch._C._ExcludeDispatchKeyGuard(AUTOCAST):
                 out = impl(*args)
         else:
             out = impl(*args)
@@ -165,7 +159,7 @@ def eager_call(name: str, impl, setup_context, backward):
 
     def backward_(ctx, *grads):
         if torch._C._is_any_autocast_enabled():
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+            with torch._C._ExcludeDispatchKeyGuard(AUTOCAST):
                 return backward(ctx, *grads)
         return backward(ctx, *grads)
 

@@ -49,10 +49,11 @@ def test_every_directory_the_cache_creates_is_private_whatever_the_umask(tmp_pat
         assert stat.S_IMODE(p.stat().st_mode) == 0o700, p
 
 
-@pytest.mark.parametrize("mask", ["002", "022"])
-def test_a_fresh_cache_under_either_umask_gives_every_kernel_and_trains(tmp_path, mask):
-    """A fresh process as an ordinary user runs it (umask 002 on Debian/Ubuntu, 022 elsewhere; a new
-    cache): every site served, one training step with the default (inductor) backend, no warning."""
+def test_a_fresh_cache_under_umask_002_gives_every_kernel_and_trains(tmp_path):
+    """A fresh process as an ordinary Debian/Ubuntu user runs it (umask 002, a new cache): every site
+    served, one training step with the default (inductor) backend, no warning. (Under 022 the rest
+    of the suite runs; the directories' modes under both are checked above.)"""
+    mask = "002"
     script = textwrap.dedent(
         """
         import os, sys, warnings

@@ -243,6 +243,22 @@ def test_torch_compile_of_an_optimized_model_runs_its_kernels():
     assert mine.kernelgraft_report.counts() == FULL
 
 
+def test_model_compile_after_optimize_keeps_the_kernels_and_says_so():
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    ours = mine._compiled_call_impl
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mine.compile(mode="max-autotune") is None
+    said = _kernelgraft_warnings(caught)
+    assert len(said) == 1 and "ignored" in said[0], said
+    assert mine._compiled_call_impl is ours
+    mine(**batch()).loss.backward()
+    assert mine.kernelgraft_report.counts() == FULL
+    # a copy is optimized with its own compile guard, and pickles without it
+    twin = pickle.loads(pickle.dumps(mine))
+    assert twin.compile.args[0] is twin
+
+
 # ---- hooks -------------------------------------------------------------------------------------------
 
 

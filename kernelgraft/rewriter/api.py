@@ -106,11 +106,25 @@ def optimize(
     # copies stay optimized: copy.deepcopy, pickle and torch.save find these on the instance
     model.__dict__["__deepcopy__"] = functools.partial(_deepcopy, model, settings)
     model.__dict__["__reduce_ex__"] = functools.partial(_reduce_ex, model, settings)
+    # Module.compile would replace the compiled call with a plain torch.compile: said, and not done
+    model.__dict__["compile"] = functools.partial(_compile_again, model)
     return model
 
 
+def _compile_again(model, *args, **kwargs) -> None:
+    """`model.compile(...)` on an optimized model: it would swap kernelgraft's compiled call for a
+    plain torch.compile one (no kernels) while the report still listed them. The model stays as
+    optimize() compiled it, and a warning says so."""
+    warn_once(
+        ("model.compile", id(model)),
+        f"kernelgraft: {type(model).__name__}.compile() on a model kernelgraft.optimize compiled: ignored, the "
+        "model keeps kernelgraft's compiled graphs (inductor with its kernels). To compile it with torch.compile "
+        "alone, load the model again and call compile() on that instead of optimize().",
+    )
+
+
 # what optimize() adds to a model's instance dict: left out of a copy, which gets its own
-_ADDED = ("__deepcopy__", "__reduce_ex__", "_compiled_call_impl", "kernelgraft_report")
+_ADDED = ("__deepcopy__", "__reduce_ex__", "compile", "_compiled_call_impl", "kernelgraft_report")
 
 
 def _without_added(model):

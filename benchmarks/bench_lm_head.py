@@ -26,7 +26,7 @@ from kernelgraft.kernels import op_for
 from kernelgraft.patterns import REGISTRY
 
 SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000)]
-CHUNKS = (512, 2048)  # tokens per chunk besides the default (a chunk of logits of 256 MiB)
+CHUNKS = (512, 1536, 2048, 3072, 4096)  # tokens per chunk besides the default (a chunk of logits of 256 MiB)
 
 
 def eager(h, w, t):

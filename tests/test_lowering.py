@@ -249,3 +249,47 @@ def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the
         if swap:  # the graph's row op calls: 5 norms, 2 MLPs, the 2 layers' q/k pairs
             assert swapped == [9], swapped
     assert all(torch.equal(a, b_) for a, b_ in zip(got[False], got[True]))
+
+
+def test_static_launches_swap_only_the_traced_kernels_results(monkeypatch):
+    """While kernelgraft compiles, a user-defined kernel it traced gets the static launcher's compiled
+    result in place of Triton's launcher's (the worker made the latter); any other kernel, or one
+    whose result the static launcher refuses, keeps its own. Checked on this torch's classes, the
+    compile itself stubbed (no GPU here; tests/test_gpu_launch.py checks a real compile)."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    from kernelgraft.kernels import launching
+    from kernelgraft.rewriter.lowering import static_launches
+
+    made = []
+    monkeypatch.setattr(th.CachingAutotuner, "precompile", lambda self, *a, **k: made.append(self))
+    refused = object()
+    monkeypatch.setattr(
+        th.StaticTritonCompileResult,
+        "can_statically_launch",
+        staticmethod(lambda kernel, *a: None if kernel is refused else ("static", kernel)),
+    )
+    from kernelgraft.rewriter import lowering
+
+    monkeypatch.setattr(lowering, "TRACED_KERNELS", launching.TRACED_KERNELS | {"ours"})
+
+    def tuner(name, kernel, heuristic=th.HeuristicType.USER_AUTOTUNE):
+        t = object.__new__(th.CachingAutotuner)
+        t.fn = type("F", (), {"__name__": name})()
+        t.heuristic_type, t.launchers, t.inductor_meta, t.triton_meta = heuristic, [], {}, {}
+        t.compile_results = [th.TritonCompileResult(kernel, {"c": 1}, {"m": 1}, {"i": 1})]
+        return t
+
+    mine, other, theirs, no = tuner("ours", "k1"), tuner("ours", refused), tuner("theirs", "k2"), tuner("ours", "k3", th.HeuristicType.POINTWISE)
+    with static_launches():
+        for t in (mine, other, theirs, no):
+            t.precompile()
+    assert made == [mine, other, theirs, no]  # inductor's own precompile ran for each
+    (r,) = mine.compile_results
+    assert type(r) is th.StaticTritonCompileResult and r.kernel == ("static", "k1") and r.config == {"c": 1}
+    for t in (other, theirs, no):
+        assert type(t.compile_results[0]) is th.TritonCompileResult
+    # outside a kernelgraft compile, nothing is swapped
+    later = tuner("ours", "k4")
+    later.precompile()
+    assert type(later.compile_results[0]) is th.TritonCompileResult

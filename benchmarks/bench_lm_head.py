@@ -58,14 +58,23 @@ def impls():
     return out
 
 
-def budget_impls(compile_gib: float) -> list:
+def budget_impls(compile_gib: float, T: int, H: int, V: int) -> list:
     """kernelgraft under optimize(lm_head_memory=...) budgets: torch.compile's measured memory, half
-    of it, and "min" (kernel.plan picks the chunk and the accumulation)."""
+    of it, half of the unfused path's estimate from the shape alone (bf16 logits and weight
+    gradient: what a per-shape default could use), and "min" (kernel.plan picks the chunk and the
+    accumulation)."""
     from kernelgraft.kernels.lm_head.op import memory_gib
 
     op = op_for(REGISTRY.get("lm_head_ce", "hf_mean"))
+    unfused = (T * V + V * H) * 2 / 2**30
     out = []
-    for label, budget in (("torch.compile's", compile_gib), ("half torch.compile's", compile_gib / 2), ("min", "min")):
+    budgets = (
+        ("torch.compile's", compile_gib),
+        ("half torch.compile's", compile_gib / 2),
+        ("half the unfused estimate", unfused / 2),
+        ("min", "min"),
+    )
+    for label, budget in budgets:
         cfg = op.configured(0, "fp32", memory_gib(budget))
         out.append((f"kernelgraft (memory: {label})", lambda h, w, t, cfg=cfg: cfg(h, w, t, -100)))
     return out
@@ -108,7 +117,7 @@ def measure(T, H, V):
             rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
         torch.cuda.empty_cache()
         if not budgets_added and "peak_gib_above_inputs" in rows.get("torch.compile", {}):
-            todo += budget_impls(rows["torch.compile"]["peak_gib_above_inputs"])
+            todo += budget_impls(rows["torch.compile"]["peak_gib_above_inputs"], T, H, V)
             budgets_added = True
     if PROFILE:
         rows["profile"] = profile(impls()["kernelgraft (bf16 dW)"], h, w, t)

@@ -293,3 +293,35 @@ def test_static_launches_swap_only_the_traced_kernels_results(monkeypatch):
     later = tuner("ours", "k4")
     later.precompile()
     assert type(later.compile_results[0]) is th.TritonCompileResult
+
+
+def test_a_graph_inductor_cannot_compile_with_its_launches_is_compiled_with_host_launches(monkeypatch):
+    """Where inductor fails to compile a graph with kernelgraft's launches in it (a Triton compile
+    error of a traced kernel, say), the graph is compiled again with the kernels launched from the
+    Python launcher: a warning says so, the report counts those calls as host launches, and the
+    step trains as the stock model does."""
+    import copy
+    import warnings
+
+    from tiny import batch, compare_models, tiny_model
+
+    from kernelgraft.rewriter import lowering
+
+    def broken(graph):
+        raise RuntimeError("forced: a traced kernel that does not compile")
+
+    monkeypatch.setattr(lowering, "launch_in_graph", broken)
+    # compiled here, not loaded from inductor's cache of graphs other tests compiled (a loaded graph
+    # runs no post-grad pass, so nothing fails and nothing is counted)
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock))
+    with warnings.catch_warnings(record=True) as caught, torch._inductor.config.patch(fx_graph_cache=False):
+        warnings.simplefilter("always")
+        verdicts = compare_models(mine, stock, batch(), compiled=False)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+    said = [str(w.message) for w in caught if "could not compile this graph" in str(w.message)]
+    assert len(said) == 1 and "forced: a traced kernel" in said[0], said
+    rep = mine.kernelgraft_report
+    assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+    assert set(rep.launched_by) == {"host: inductor's launches failed to compile"}, rep.launched_by
+    assert rep.launched_by["host: inductor's launches failed to compile"] >= 10

@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from collections import Counter
 
 import torch
 from torch._guards import CompileContext
 from torch._subclasses.fake_tensor import is_fake
 
+from ..kernels.fallback import warn_once
 from ..options import Options
 from ..patterns import REGISTRY, Spelling
 from . import attention, ddp, lowering
@@ -102,31 +104,53 @@ class Grafter:
 
     def _lower(self, gm, example_inputs):
         if self.options.backend == "inductor" and not self.dry_run:
-            # torch's own modules, imported on first use: inductor is slow to import
-            from torch._inductor import config as inductor_config
-            from torch._inductor import list_mode_options
-            from torch._inductor.compile_fx import compile_fx
-
-            o = self.options
-            # torch.compile(mode=...)'s inductor settings (CUDA graphs for "reduce-overhead")
-            patches = dict(list_mode_options(o.mode)) if o.mode not in (None, "default") else {}
-            if o.fuse_recompute or o.inductor_launches:
-                key = "post_grad_custom_post_pass"
-                patches[key] = lowering.PostGradPass(
-                    chained=getattr(inductor_config, key),
-                    fuse_recompute=o.fuse_recompute,  # not "separate": made by the backward kernels
-                    launch=o.inductor_launches,
-                    launches=self.report.launched_by,
+            if not self.options.inductor_launches:
+                return self._inductor(gm, example_inputs, launch=False)
+            counted = Counter(self.report.launched_by)
+            try:
+                return self._inductor(gm, example_inputs, launch=True)
+            except Exception as e:  # noqa: BLE001 - compiled again with the kernels launched from the host
+                why = f"{type(e).__name__}: {e}"[:300]
+                self.report.launched_by.clear()
+                self.report.launched_by.update(counted)  # the failed attempt's counts are void
+                warn_once(
+                    ("inductor launches failed", why),
+                    "kernelgraft: inductor could not compile this graph with kernelgraft's kernels launched "
+                    f"by its own code ({why}). Compiled again with them launched from kernelgraft's Python "
+                    "launcher (slower on the host; a kernel that fails there falls back to the stock code). "
+                    "If this compile fails too, the error is inductor's, not the kernels'.",
                 )
-            extra = {}
-            if o.inductor_launches:  # each launch's kernel analysed once per specialization
-                from torch._inductor.compile_fx import compile_fx_inner
-
-                extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
-            return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
+                return self._inductor(gm, example_inputs, launch=False, because="inductor's launches failed to compile")
         if not self.dry_run:  # run as it is: the kernels called without the dispatcher's per-call work
             lowering.eager_calls(gm)
         return gm.forward
+
+    def _inductor(self, gm, example_inputs, launch: bool, because: str | None = None):
+        """gm compiled by inductor; launch: its generated code launches kernelgraft's kernels
+        (rewriter/lowering.py), else they run their Python launcher (`because` is then counted)."""
+        # torch's own modules, imported on first use: inductor is slow to import
+        from torch._inductor import config as inductor_config
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        o = self.options
+        # torch.compile(mode=...)'s inductor settings (CUDA graphs for "reduce-overhead")
+        patches = dict(list_mode_options(o.mode)) if o.mode not in (None, "default") else {}
+        if o.fuse_recompute or launch or because:
+            key = "post_grad_custom_post_pass"
+            patches[key] = lowering.PostGradPass(
+                chained=getattr(inductor_config, key),
+                fuse_recompute=o.fuse_recompute,  # not "separate": made by the backward kernels
+                launch=launch,
+                launches=self.report.launched_by,
+                host_because=because,
+            )
+        extra = {}
+        if launch:  # each launch's kernel analysed once per specialization
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
+        return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
 
     def _fallback(self, stock: torch.fx.GraphModule, args):
         """The graph with its masks as written (those proven on the graph still rewritten), lowered

@@ -327,11 +327,14 @@ class PostGradPass(CustomGraphPass):
     (launch_in_graph). `launches` (a Counter, the report's where given) counts what
     launch_in_graph did; a graph inductor loads from its cache runs no pass and counts nothing."""
 
-    def __init__(self, chained=None, fuse_recompute: bool = True, launch: bool = True, launches=None):
+    def __init__(
+        self, chained=None, fuse_recompute: bool = True, launch: bool = True, launches=None, host_because=None
+    ):
         self.chained = chained
         self.fuse_recompute = fuse_recompute
         self.launch = launch
         self.launches: Counter = launches if launches is not None else Counter()
+        self.host_because = host_because  # without launches: why, counted per kernel call (None: not counted)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.chained is not None:
@@ -340,6 +343,10 @@ class PostGradPass(CustomGraphPass):
             recompute.fuse_recomputed_outputs(graph)
         if self.launch:
             self.launches.update(launch_in_graph(graph))
+        elif self.host_because:
+            calls = sum(1 for n in graph.nodes if n.op == "call_function" and traceable_impl(n.target) is not None)
+            if calls:
+                self.launches[f"host: {self.host_because}"] += calls
 
     def uuid(self):
         if get_hash_for_files is None:

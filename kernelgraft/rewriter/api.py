@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -99,10 +101,7 @@ def optimize(
     )
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
-    settings = dict(backend=backend, patterns=patterns, dynamic=dynamic, **{
-        k: getattr(options, k) for k in ("keep_logits", "lm_head_chunk", "lm_head_accumulate", "lm_head_memory", "recompute",
-                                         "ddp_piece_mb", "mode", "launch")
-    }, causal_attention=bool(causal_attention))
+    settings = dict(dataclasses.asdict(options), patterns=patterns, dynamic=dynamic)  # optimize()'s arguments
     # copies stay optimized: copy.deepcopy, pickle and torch.save find these on the instance
     model.__dict__["__deepcopy__"] = functools.partial(_deepcopy, model, settings)
     model.__dict__["__reduce_ex__"] = functools.partial(_reduce_ex, model, settings)
@@ -127,17 +126,14 @@ def _compile_again(model, *args, **kwargs) -> None:
 _ADDED = ("__deepcopy__", "__reduce_ex__", "compile", "_compiled_call_impl", "kernelgraft_report")
 
 
+@contextlib.contextmanager
 def _without_added(model):
-    """A context in which `model` looks as it did before optimize (for the copy machinery)."""
-
-    class _Ctx:
-        def __enter__(self):
-            self.saved = {k: model.__dict__.pop(k) for k in _ADDED if k in model.__dict__}
-
-        def __exit__(self, *exc):
-            model.__dict__.update(self.saved)
-
-    return _Ctx()
+    """Inside the block `model` looks as it did before optimize (for the copy machinery)."""
+    saved = {k: model.__dict__.pop(k) for k in _ADDED if k in model.__dict__}
+    try:
+        yield
+    finally:
+        model.__dict__.update(saved)
 
 
 def _deepcopy(model, settings, memo):

@@ -251,8 +251,8 @@ def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the
     assert all(torch.equal(a, b_) for a, b_ in zip(got[False], got[True]))
 
 
-def test_static_launches_swap_only_the_traced_kernels_results(monkeypatch):
-    """While kernelgraft compiles, a user-defined kernel it traced gets the static launcher's compiled
+def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
+    """While kernelgraft compiles, a user-defined kernel it generated gets the static launcher's compiled
     result in place of Triton's launcher's (the worker made the latter); any other kernel, or one
     whose result the static launcher refuses, keeps its own. Checked on this torch's classes, the
     compile itself stubbed (no GPU here; tests/test_gpu_launch.py checks a real compile)."""
@@ -269,9 +269,7 @@ def test_static_launches_swap_only_the_traced_kernels_results(monkeypatch):
         "can_statically_launch",
         staticmethod(lambda kernel, *a: None if kernel is refused else ("static", kernel)),
     )
-    from kernelgraft.rewriter import lowering
-
-    monkeypatch.setattr(lowering, "TRACED_KERNELS", launching.TRACED_KERNELS | {"ours"})
+    monkeypatch.setattr(launching, "KERNEL_PREFIXES", launching.KERNEL_PREFIXES | {"ours_"})
 
     def tuner(name, kernel, heuristic=th.HeuristicType.USER_AUTOTUNE):
         t = object.__new__(th.CachingAutotuner)
@@ -280,7 +278,8 @@ def test_static_launches_swap_only_the_traced_kernels_results(monkeypatch):
         t.compile_results = [th.TritonCompileResult(kernel, {"c": 1}, {"m": 1}, {"i": 1})]
         return t
 
-    mine, other, theirs, no = tuner("ours", "k1"), tuner("ours", refused), tuner("theirs", "k2"), tuner("ours", "k3", th.HeuristicType.POINTWISE)
+    mine, other = tuner("ours_fwd", "k1"), tuner("ours_bwd", refused)
+    theirs, no = tuner("theirs_fwd", "k2"), tuner("ours_fwd", "k3", th.HeuristicType.POINTWISE)
     with static_launches():
         for t in (mine, other, theirs, no):
             t.precompile()
@@ -290,7 +289,7 @@ def test_static_launches_swap_only_the_traced_kernels_results(monkeypatch):
     for t in (other, theirs, no):
         assert type(t.compile_results[0]) is th.TritonCompileResult
     # outside a kernelgraft compile, nothing is swapped
-    later = tuner("ours", "k4")
+    later = tuner("ours_fwd", "k4")
     later.precompile()
     assert type(later.compile_results[0]) is th.TritonCompileResult
 
@@ -325,3 +324,20 @@ def test_a_graph_inductor_cannot_compile_with_its_launches_is_compiled_with_host
     assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
     assert set(rep.launched_by) == {"host: inductor's launches failed to compile"}, rep.launched_by
     assert rep.launched_by["host: inductor's launches failed to compile"] >= 10
+
+
+def test_every_generated_row_kernel_is_known_as_kernelgrafts():
+    """The names inductor sees for a row module's kernels (every entry, the column sums too) are
+    known as kernelgraft's from the moment the module is built; other names are not."""
+    from triton.runtime.jit import JITFunction
+
+    from kernelgraft.kernels.cache import load_module
+    from kernelgraft.kernels.launching import is_kernelgraft_kernel
+
+    sp = REGISTRY.get("rms_norm", "gemma")
+    k = row_kernel(sp, {"x": torch.bfloat16, "weight": torch.bfloat16}, {"x": "elem", "weight": "col"}, ROUNDING)
+    mod, _ = load_module(k.spec.name, k.source)
+    names = [v.fn.__name__ for v in vars(mod).values() if isinstance(v, JITFunction)]
+    entries = [n for n in names if n.startswith(k.spec.name)]
+    assert len(entries) >= 4 and all(is_kernelgraft_kernel(n) for n in entries), names
+    assert not is_kernelgraft_kernel("triton_poi_fused_add_0") and not is_kernelgraft_kernel(None)

@@ -34,8 +34,19 @@ def launch_options(rounding: str, dtypes, device_type: str) -> dict:
 # ---- launched by inductor: the launcher traced into the compiled graph --------------------------
 
 _TRACING: list[bool] = []
-# names of the Triton kernels recorded while tracing: inductor launches these (rewriter/lowering.py)
-TRACED_KERNELS: set[str] = set()
+# what the names of the Triton kernels inductor may launch for kernelgraft begin with, one per
+# generated module (each of its kernels is named "<module name>_<entry>"): registered when the module
+# is built, which a capture does before inductor compiles the graph or loads it from its cache
+KERNEL_PREFIXES: set[str] = set()
+
+
+def register_kernels(module_name: str) -> None:
+    KERNEL_PREFIXES.add(f"{module_name}_")
+
+
+def is_kernelgraft_kernel(name: str | None) -> bool:
+    """Whether a Triton kernel of this name is one of kernelgraft's generated kernels."""
+    return bool(name) and any(name.startswith(p) for p in KERNEL_PREFIXES)
 
 
 @contextlib.contextmanager
@@ -59,7 +70,6 @@ def tracing() -> bool:
 def launcher(fn):
     """`fn` (a Triton kernel) as the launcher calls it: itself, or while tracing, wrapped for it."""
     if _TRACING:
-        TRACED_KERNELS.add(getattr(fn, "__name__", ""))
         return torch.library.wrap_triton(fn)
     return fn
 

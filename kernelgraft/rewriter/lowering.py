@@ -31,7 +31,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..kernels.family import eager_call_of, traceable_impl
-from ..kernels.launching import TRACED_KERNELS, traced_launches
+from ..kernels.launching import is_kernelgraft_kernel, traced_launches
 from . import recompute
 
 
@@ -251,8 +251,8 @@ def memoized_kernel_analysis():
 
 @contextlib.contextmanager
 def static_launches():
-    """Inside the block, the kernels kernelgraft's launchers were traced with are launched by
-    inductor's static launcher, as inductor launches its own kernels. To inductor they are
+    """Inside the block, kernelgraft's generated kernels (launching.is_kernelgraft_kernel) are
+    launched by inductor's static launcher, as inductor launches its own kernels. To inductor they are
     user-defined kernels, which it compiles in its worker processes under its default of launching
     them through Triton's own launcher (each argument bound in Python on every launch): 308 of the
     135M step's launches (H200 profile). Their compiled results are swapped for static ones in this
@@ -292,7 +292,7 @@ def static_launches():
             self.heuristic_type == user
             and self.compile_results
             and not self.launchers
-            and getattr(self.fn, "__name__", None) in TRACED_KERNELS
+            and is_kernelgraft_kernel(getattr(self.fn, "__name__", None))
         ):
             self.compile_results = [as_static(r, self) for r in self.compile_results]
         return original(self, *args, **kwargs)

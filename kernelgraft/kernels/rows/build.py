@@ -15,7 +15,7 @@ from .. import emit
 from ..cache import load_module
 from ..derive import Backward, derive
 from ..family import Unsupported
-from ..launching import launch_options
+from ..launching import launch_options, register_kernels
 from ..spec import Spec, build_spec
 from .codegen import module_source
 
@@ -70,6 +70,7 @@ def _row_kernel(spelling, dtypes: tuple, kinds: tuple, rounding: str) -> RowKern
     bwd = derive(spec)
     src = module_source(spec, bwd, spelling.qualname)
     _, path = load_module(spec.name, src)
+    register_kernels(spec.name)
     return RowKernel(spec, bwd, src, path)
 
 

@@ -201,20 +201,17 @@ def test_autocast_with_labels_is_served_and_passes_the_rule(backend, dtype):
     """float32 weights under autocast: the matmuls run in bf16/fp16 (the LM head's too: canonicalize
     makes autocast's casts explicit, so its kernel gets what the stock linear got), the norms upcast
     themselves. Loss and every gradient by the rule against float64 truth, beside eager under the
-    same autocast (and torch.compile's, for the inductor backend: the rule's second reference);
-    every site served, the backward called inside the autocast region as users do."""
+    same autocast; every site served, the backward called inside the autocast region as users do."""
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
     b = batch()
     truth_loss, truth = loss_and_grads(copy.deepcopy(stock).double(), b)
-    comp = copy.deepcopy(stock)  # the rule's second reference where inductor compiles the rest
-    comp.compile()
     with torch.autocast("cpu", dtype=dtype):
         eager_loss, eager = loss_and_grads(stock, b)
-        comp_loss, compiled = loss_and_grads(comp, b) if backend == "inductor" else (None, {})
         loss, got = loss_and_grads(mine, b)
-    verdicts = [judge("loss", truth_loss, loss, eager_loss, comp_loss)]
-    verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n], compiled.get(n)) for n in truth]
+    # against eager alone: a stricter bound than the rule's max(eager, torch.compile), and no CPU compile
+    verdicts = [judge("loss", truth_loss, loss, eager_loss)]
+    verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n]) for n in truth]
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
     rep = mine.kernelgraft_report
     assert rep.counts() == FULL, str(rep)

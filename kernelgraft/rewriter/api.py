@@ -214,7 +214,7 @@ def _nested(compiled, model, *args, **kwargs):
         ("nested", id(model)),
         f"kernelgraft: torch.compile of a model that kernelgraft.optimize compiled already "
         f"({type(model).__name__}): the model runs its own compiled graphs with kernelgraft's kernels, and "
-        "the outer torch.compile adds nothing around it. Call the model directly.",
+        "the outer torch.compile adds nothing around it: use the model itself.",
     )
     return _run(compiled, model, *args, **kwargs)
 

@@ -137,10 +137,13 @@ def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
     if chunk <= 0:
         chunk = int(os.environ.get("KERNELGRAFT_LM_HEAD_CHUNK", "0") or 0)
     if chunk <= 0:
-        chunk = max(1, CHUNK_BYTES // max(1, V * itemsize))
-        if chunk > 64:
-            chunk -= chunk % 64
+        chunk = _whole_64s(max(1, CHUNK_BYTES // max(1, V * itemsize)))
     return max(1, min(chunk, max(T, 1)))
+
+
+def _whole_64s(tokens: int) -> int:
+    """A chunk's tokens, a multiple of 64 where above 64 (whole blocks for the matmuls)."""
+    return tokens - tokens % 64 if tokens > 64 else tokens
 
 
 # tokens of a chunk below which the chunked matmuls lose speed (H200, 128k vocab: 44.8 ms with chunks
@@ -169,9 +172,7 @@ def plan(T: int, H: int, V: int, itemsize: int, chunk: int, accumulate: str, mem
     dh = T * H * itemsize
 
     def fit(fixed: float) -> int:
-        c = int(max(budget - fixed, 0) // max(row, 1))
-        if c > 64:
-            c -= c % 64
+        c = _whole_64s(int(max(budget - fixed, 0) // max(row, 1)))
         return max(min(c, T1), min(MIN_ROWS, T1))
 
     weight_chunk = fit(V * H * itemsize + dh)

@@ -26,7 +26,8 @@ from kernelgraft.kernels import op_for
 from kernelgraft.patterns import REGISTRY
 
 SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000)]
-CHUNKS = (512, 1536, 2048, 3072, 4096)  # tokens per chunk besides the default (a chunk of logits of 256 MiB)
+CHUNKS = (512, 1536, 2048, 3072, 4096)  # tokens per chunk, bf16 sums (--chunks)
+SWEEP = False
 
 
 def eager(h, w, t):
@@ -36,9 +37,9 @@ def eager(h, w, t):
 def impls():
     out = {"eager": eager, "torch.compile": torch.compile(eager, dynamic=False)}
     op = op_for(REGISTRY.get("lm_head_ce", "hf_mean"))
-    out["kernelgraft"] = lambda h, w, t: op.configured(accumulate="fp32")(h, w, t, -100)
-    out["kernelgraft (bf16 dW)"] = lambda h, w, t: op.configured(accumulate="weight")(h, w, t, -100)
-    for c in CHUNKS:
+    out["kernelgraft (default)"] = lambda h, w, t: op.configured()(h, w, t, -100)
+    out["kernelgraft (fp32 dW)"] = lambda h, w, t: op.configured(accumulate="fp32")(h, w, t, -100)
+    for c in CHUNKS if SWEEP else ():
         out[f"kernelgraft (bf16 dW, chunk {c})"] = lambda h, w, t, c=c: op.configured(c, "weight")(
             h, w, t, -100
         )
@@ -71,9 +72,8 @@ def budget_impls(compile_gib: float, T: int, H: int, V: int) -> list:
     budgets = (
         ("torch.compile's", compile_gib),
         ("half torch.compile's", compile_gib / 2),
-        ("half the unfused estimate", unfused / 2),
         ("min", "min"),
-    )
+    ) + ((("half the unfused estimate", unfused / 2),) if SWEEP else ())
     for label, budget in budgets:
         cfg = op.configured(0, "fp32", memory_gib(budget))
         out.append((f"kernelgraft (memory: {label})", lambda h, w, t, cfg=cfg: cfg(h, w, t, -100)))
@@ -120,7 +120,7 @@ def measure(T, H, V):
             todo += budget_impls(rows["torch.compile"]["peak_gib_above_inputs"], T, H, V)
             budgets_added = True
     if PROFILE:
-        rows["profile"] = profile(impls()["kernelgraft (bf16 dW)"], h, w, t)
+        rows["profile"] = profile(impls()["kernelgraft (default)"], h, w, t)
     floor = 3 * 2 * T * H * V / 730e12 * 1e3  # three matmuls at a 730 TFLOP/s bf16 matmul rate
     return dict(shape=f"{T} tok x H {H} x V {V}", floor_ms=floor, impls=rows)
 
@@ -193,12 +193,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--profile", action="store_true", help="also print kernelgraft's CUDA time per kernel")
+    ap.add_argument("--chunks", action="store_true", help="also sweep the chunk (bf16 sums) and a budget of half the unfused head")
     ap.add_argument(
         "--tune-ce", action="store_true", help="time the CE kernel alone over launch configs first"
     )
     a = ap.parse_args()
-    global PROFILE, TRACE
+    global PROFILE, TRACE, SWEEP
     PROFILE = a.profile
+    SWEEP = a.chunks
     os.makedirs(a.out, exist_ok=True)
     TRACE = os.path.join(a.out, "lm_head_trace.json") if a.profile else None
     tuned = tune_ce() if a.tune_ce else None

@@ -262,7 +262,7 @@ def apply_mode(model, mode: str):
     elif mode.startswith("kernelgraft"):
         import kernelgraft
 
-        acc = "weight" if "bf16 dW" in mode else "fp32"
+        acc = "weight" if "bf16 dW" in mode else "fp32" if "fp32 dW" in mode else "auto"
         # "... ddp pieces 200 MB": optimize's ddp_piece_mb; "... ddp pieces at buckets": None
         pieces = re.search(r"ddp pieces (at buckets|[0-9.]+ MB)", mode)
         piece = (

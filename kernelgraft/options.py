@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 BACKENDS = ("inductor", "eager")
-ACCUMULATE = ("fp32", "weight")  # the LM head's weight-gradient sum: in float32, or in the weight's dtype
+ACCUMULATE = ("auto", "fp32", "weight")  # the LM head's weight-gradient sum: by the plan, in float32, in the weight's dtype
 DDP_PIECE_MB = 100.0  # the least parameter size of a piece of a DDP-wrapped graph (MiB)
 # torch.compile's modes (inductor backend); the last two run under CUDA graphs
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
@@ -33,7 +33,7 @@ class Options:
     backend: str = "inductor"
     keep_logits: bool = False
     lm_head_chunk: int | None = None  # tokens per chunk; None: a chunk of logits of at most 256 MiB
-    lm_head_accumulate: str = "fp32"
+    lm_head_accumulate: str = "auto"
     # a budget in GiB for the fused LM head's working memory (it then picks chunk and accumulation),
     # or "min"; None: chunks of lm_head_chunk tokens, or of at most 256 MiB of logits
     lm_head_memory: float | str | None = None

@@ -102,7 +102,7 @@ def test_suite_modes_pass_their_options_to_optimize(monkeypatch):
     ]
     assert [k["recompute"] for k in got] == [True, True, True, True, "separate", False]
     assert [k["backend"] for k in got] == ["inductor"] * 4 + ["eager", "inductor"]
-    assert [k["lm_head_accumulate"] for k in got] == ["fp32"] * 5 + ["weight"]
+    assert [k["lm_head_accumulate"] for k in got] == ["auto"] * 5 + ["weight"]
 
 
 def test_suite_step_table_says_when_the_kv_cache_was_off():

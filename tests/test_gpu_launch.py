@@ -169,13 +169,18 @@ def test_autocast_on_cuda_is_served_and_passes_the_rule(backend):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_cuda_graphs_run_the_kernels_with_exact_gradients_for_any_loss_gradient(arch):
+def test_cuda_graphs_run_the_kernels_with_exact_gradients_for_any_loss_gradient(arch, monkeypatch):
     from torch._dynamo.utils import counters
+
+    from kernelgraft.kernels.lm_head import op as lm_head_op
 
     b = batch(B=4, S=64, device="cuda")
     torch._dynamo.reset()
     ref = tiny_model(arch, torch.bfloat16, device="cuda")
-    kernelgraft.optimize(ref)
+    with monkeypatch.context() as m:  # the reference makes the LM head's gradients in the forward
+        m.setattr(lm_head_op, "DEFER_FLOPS", 0)
+        kernelgraft.optimize(ref)
+        ref(**b)
     want = [_step(ref, b, s) for s in (1.0, 0.3, 1.0 / 3)]
     torch._dynamo.reset()
     counters.clear()
@@ -202,3 +207,22 @@ def test_generate_with_inductor_launches_gives_eager_tokens():
         got = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     assert torch.equal(want, got)
     assert model.kernelgraft_report.launched_by["inductor"] > 0
+
+
+def test_a_small_models_step_reads_nothing_on_the_host():
+    """Default mode, a small head (op.defers): after the first step, forward and backward run with
+    CUDA's sync debug mode set to raise on any host read of a device value."""
+    model = tiny_model("llama", torch.bfloat16, device="cuda")
+    kernelgraft.optimize(model)
+    b = batch(B=4, S=64, device="cuda")
+    _step(model, b)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model(**b)
+        out.loss.mul(0.3).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rep = model.kernelgraft_report
+    assert rep.counts().get("lm_head_ce") == 1
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

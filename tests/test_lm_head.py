@@ -530,6 +530,36 @@ def test_a_budget_that_holds_every_token_takes_one_chunk_in_the_weights_dtype():
 
 
 @pytest.mark.parametrize(
+    "T,H,V", [(8192, 4096, 128256), (8192, 2304, 256000), (16384, 2048, 128256), (8192, 576, 49152)]
+)
+def test_the_default_plan_sums_in_bf16_only_where_measured_accurate_and_holds_no_more(T, H, V):
+    C, acc = lm_kernel.plan(T, H, V, 2, 0, "auto", 0.0)
+    C32, acc32 = lm_kernel.plan(T, H, V, 2, 0, "fp32", 0.0)
+    assert (C32, acc32) == (lm_kernel.chunk_tokens(T, V, 2), "fp32")
+    n = len(lm_kernel.chunk_bounds(T, C))
+    assert acc == "weight" and n <= lm_kernel.WEIGHT_SUM_CHUNKS and C >= lm_kernel.EFFICIENT_CHUNK, (C, n)
+    assert C >= C32 and C % 64 == 0
+    budget = min(_held(T, H, V, 2, C32, "fp32"), (T * V + V * H) * 2 / 2)  # float32 plan's, half unfused
+    assert _held(T, H, V, 2, C, acc) <= budget or C == C32
+    assert _held(T, H, V, 2, C + 64, acc) > budget or C >= T  # the largest chunk in it
+
+
+def test_the_default_plan_sums_in_float32_where_the_bf16_sum_was_not_measured_accurate():
+    # a weight too large for long chunks in the budget: 16 chunks of 512 tokens -> float32, as before
+    assert lm_kernel.plan(8192, 8192, 256000, 2, 0, "auto", 0.0) == (512, "fp32")
+    assert lm_kernel.plan(8192, 8192, 256000, 2, 0, "weight", 0.0) == (512, "weight")
+    # float32 weights: float32
+    assert lm_kernel.plan(8192, 4096, 128256, 4, 0, "auto", 0.0) == (512, "fp32")
+    # all tokens in one chunk: one rounding, as the unfused model
+    assert lm_kernel.plan(100, 64, 1000, 2, 0, "auto", 0.0) == (100, "weight")
+    # a chunk given: bf16 for 4 chunks of 2048, float32 for 16 of 512 (or 2 of 64)
+    assert lm_kernel.plan(8192, 4096, 128256, 2, 2048, "auto", 0.0) == (2048, "weight")
+    assert lm_kernel.plan(8192, 4096, 128256, 2, 512, "auto", 0.0) == (512, "fp32")
+    assert lm_kernel.plan(128, 64, 1000, 2, 64, "auto", 0.0) == (64, "fp32")
+    assert lm_kernel.plan(128, 64, 1000, 2, 64, "fp32", 0.0) == (64, "fp32")
+
+
+@pytest.mark.parametrize(
     "budget,dtype", [("min", torch.bfloat16), (0.000_025, torch.bfloat16), (1.0, torch.bfloat16), (0.000_025, torch.float32)]
 )
 def test_an_lm_head_memory_budget_trains_a_model_by_the_rule(budget, dtype):

@@ -191,6 +191,30 @@ def test_lm_head_gradients_made_in_the_backward_are_the_stashed_ones(g):
     assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
 
 
+def test_a_small_head_on_a_gpu_makes_its_gradients_in_the_backward():
+    """op.defers: on a GPU, a head whose extra logits matmul is at most DEFER_FLOPS makes its
+    gradients in the backward (no read of the loss gradient on the host); a large one, or any on
+    the CPU, or one of symbolic sizes, in the forward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernelgraft.kernels.lm_head import FAMILY
+    from kernelgraft.kernels.lm_head.op import DEFER_FLOPS, defers
+    from kernelgraft.options import Options
+
+    def head(T, H, V, device="cuda"):
+        with FakeTensorMode():
+            return dict(h=torch.empty(T, H, device=device), weight=torch.empty(V, H, device=device))
+
+    small, large = head(8 * 1024, 576, 49152), head(8 * 2048, 2048, 128256)  # 135M's, 1B's
+    assert 2 * 8192 * 576 * 49152 <= DEFER_FLOPS < 2 * 16384 * 2048 * 128256
+    assert defers(small) and not defers(large)
+    assert not defers(head(8 * 1024, 576, 49152, "cpu")) and not defers({})
+    sp = REGISTRY.get("lm_head_ce", "hf_mean")
+    pick = lambda metas, **o: FAMILY.op(sp, options=Options(**o), metas=metas).name  # noqa: E731
+    assert "__deferred_" in pick(small) and "__deferred_" not in pick(large)
+    assert "__deferred_" in pick(large, mode="reduce-overhead")  # CUDA graphs: always
+
+
 def test_inductors_kernel_analysis_is_made_once_per_kernel_and_specialization(monkeypatch):
     """Inside memoized_kernel_analysis a launch's analysis is made once per (kernel, arguments as
     Triton specializes them), each caller gets its own copy, and the function is restored after."""

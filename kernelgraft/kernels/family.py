@@ -54,7 +54,9 @@ class Family:
     def refusal(self, spelling, metas: dict, rounding: str, options, training: bool) -> str | None:
         raise NotImplementedError
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None):
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None, metas=None):
+        """The op serving `spelling`; metas: the matched tensors' values (shapes, device) by name,
+        where the family picks an op by them."""
         raise NotImplementedError
 
     def source(self, spelling, dtype: torch.dtype) -> KernelSource:

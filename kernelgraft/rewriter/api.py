@@ -45,10 +45,13 @@ def optimize(
     The LM head and its loss are fused in training (labels given, gradients on): the full logits
     are never made, so `output.logits` is then a `WithheldLogits` that raises, saying so, when
     used. `keep_logits=True` keeps them (the LM head is then not fused). Without labels, or under
-    `torch.no_grad()`, logits are returned as usual. `lm_head_chunk` sets the tokens per chunk
-    (default: a chunk of logits of at most 256 MiB); `lm_head_accumulate` is "fp32" (the weight
-    gradient summed in float32: as accurate as the unfused model) or "weight" (in the weight's
-    dtype: half the memory, less accurate). `lm_head_memory` is a budget in GiB for what the fused
+    `torch.no_grad()`, logits are returned as usual. `lm_head_chunk` sets the tokens per chunk;
+    `lm_head_accumulate` is "auto" (default: the weight gradient of a bf16/fp16 head summed in the
+    weight's dtype over at most 8 chunks of at least 1024 tokens, where that was measured as
+    accurate as the unfused model, the chunks as large as the float32 plan's memory and half the
+    unfused head's allow; else summed in float32 over chunks of at most 256 MiB of logits), "fp32"
+    (always summed in float32: as accurate as the unfused model) or "weight" (always in the
+    weight's dtype: half the memory, less accurate over many chunks). `lm_head_memory` is a budget in GiB for what the fused
     head holds at once besides its inputs (the weight gradient, float32 while it is summed in
     float32, h's gradient, one chunk of logits): it then picks the largest chunk that fits, all
     tokens in one chunk in the weight's dtype where they fit (one rounding), else float32

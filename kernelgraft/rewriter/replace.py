@@ -79,13 +79,14 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
     read_on = any(u.op != "output" for u in m.output.fx.users)
     recompute = bool(sp.recompute and options.recompute and read_on)
     family = family_of(sp)
-    op = family.op(sp, options.rounding, recompute=recompute, options=options)
+    metas = {n: c.meta for n, c in m.tensors.items()}
+    op = family.op(sp, options.rounding, recompute=recompute, options=options, metas=metas)
     out_fx = m.output.fx
     g = gm.graph
     with g.inserting_before(out_fx):
         tensors = argument_nodes(gm, m, redirect)
         named = {a: m.scalars[a] if a in sp.scalar_names else tensors[a] for a in sp.arg_names}
-        args = op.bind(named, {n: c.meta for n, c in m.tensors.items()}, options)
+        args = op.bind(named, metas, options)
         call = g.call_function(op.fwd, tuple(args))
         new = g.call_function(operator.getitem, (call, 0))
     for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):

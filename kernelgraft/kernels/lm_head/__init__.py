@@ -11,7 +11,7 @@ import torch
 from ..family import Family, KernelSource, register
 from . import transform
 from .kernel import kernel_name, kernel_source, rounds_as
-from .op import LMHeadOp, op_for, refusal
+from .op import LMHeadOp, defers, op_for, refusal
 from .withheld import WITHHELD_MESSAGE, WithheldLogits, explain_markers, marker_op
 
 
@@ -21,9 +21,11 @@ class LMHeadFamily(Family):
     def refusal(self, spelling, metas: dict, rounding: str, options=None, training: bool = True) -> str | None:
         return refusal(spelling, metas, rounding, training)
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None) -> LMHeadOp:
-        # under CUDA graphs the gradients are made in the backward (nothing read on the host)
-        return op_for(spelling, rounding, deferred=bool(options is not None and options.cuda_graphs))
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None, metas=None) -> LMHeadOp:
+        # under CUDA graphs, and for a small head on a GPU, the gradients are made in the backward
+        # (nothing read on the host: op.defers)
+        graphs = bool(options is not None and options.cuda_graphs)
+        return op_for(spelling, rounding, deferred=graphs or defers(metas or {}))
 
     def source(self, spelling, dtype: torch.dtype) -> KernelSource:
         tf = transform.transform(spelling, dtype, "autograd", rounds_as("cpu"))

@@ -150,35 +150,68 @@ def _whole_64s(tokens: int) -> int:
 # of 512 tokens, 40.4 with 1024, 39.2 with 2048), and the chunk lm_head_memory="min" takes
 EFFICIENT_CHUNK = 1024
 MIN_MEMORY_CHUNK = 512
+# accumulate="auto" sums the weight gradient in a 2-byte weight's own dtype where that was measured to
+# be as accurate as the unfused model by the rule: chunks of at least EFFICIENT_CHUNK tokens, at
+# most this many of them (bf16 on an H200: 8192 tokens x 4096 x 128256 in 5 chunks, 1.04x eager's
+# error against float64; in 16 chunks of 512, 1.04x; 8192 x 2304 x 256000 in 16 chunks, 1.02x).
+# Shorter chunks are not: tiny CPU shapes of 8-16 tokens per chunk lose to eager from 6 chunks on.
+WEIGHT_SUM_CHUNKS = 8
+
+
+def _fit(budget: float, fixed: float, row: int, T1: int) -> int:
+    """The most tokens (whole 64s) whose logits fit in `budget` bytes beside `fixed` ones."""
+    c = _whole_64s(int(max(budget - fixed, 0) // max(row, 1)))
+    return max(min(c, T1), min(MIN_ROWS, T1))
+
+
+def _sums_in_weight_dtype(T: int, C: int) -> bool:
+    n = len(chunk_bounds(T, C))
+    return n <= 1 or (n <= WEIGHT_SUM_CHUNKS and C >= EFFICIENT_CHUNK)
 
 
 def plan(T: int, H: int, V: int, itemsize: int, chunk: int, accumulate: str, memory: float) -> tuple[int, str]:
     """(tokens per chunk, weight-gradient accumulation) for T tokens, H hidden, V vocabulary.
 
-    memory: 0 (no budget): `chunk` tokens if given, else chunk_tokens' default, with `accumulate`
-    as given. > 0: a budget in GiB for what the fused head holds at once besides its inputs - the
+    memory: 0 (no budget), `chunk` (or $KERNELGRAFT_LM_HEAD_CHUNK) given: that chunk, with
+    `accumulate` as given ("auto": the weight's dtype where _sums_in_weight_dtype, else float32).
+    memory 0, no chunk - the default: "fp32" (or a 4-byte weight) keeps chunks of CHUNK_BYTES of
+    logits; otherwise the chunk is the largest that the less of two budgets holds - what that
+    float32 plan holds, and half what the unfused head holds (its logits and weight gradient) -
+    with the weight gradient in the weight's dtype ("weight", or "auto" where
+    _sums_in_weight_dtype), never shorter than the float32 plan's; "auto" otherwise falls back to
+    the float32 plan. Fewer chunks, no float32 copy of the weight, no more memory.
+    memory > 0: a budget in GiB for what the fused head holds at once besides its inputs - the
     weight gradient (in float32 while "fp32" sums it), h's gradient, and one chunk of logits - and
     the plan is the largest chunk in it: all tokens in one chunk in the weight's dtype where that
     fits (one rounding: as accurate as summing in float32), else float32 accumulation where its
     chunk still has EFFICIENT_CHUNK tokens, else the weight's dtype (accumulate="weight" given:
     always). < 0 ("min"): the weight's dtype, MIN_MEMORY_CHUNK tokens."""
-    if memory == 0 or chunk > 0:
-        return chunk_tokens(T, V, itemsize, chunk), accumulate
     T1 = max(T, 1)
+    env = int(os.environ.get("KERNELGRAFT_LM_HEAD_CHUNK", "0") or 0)
+    if chunk > 0 or (memory == 0 and env > 0):
+        C = chunk_tokens(T, V, itemsize, chunk)
+        if accumulate == "auto":
+            accumulate = "weight" if itemsize == 2 and _sums_in_weight_dtype(T, C) else "fp32"
+        return C, accumulate
     if memory < 0:
         return max(1, min(MIN_MEMORY_CHUNK, T1)), "weight"
-    budget = memory * 2**30
     row = V * itemsize  # one token's logits
     dh = T * H * itemsize
-
-    def fit(fixed: float) -> int:
-        c = _whole_64s(int(max(budget - fixed, 0) // max(row, 1)))
-        return max(min(c, T1), min(MIN_ROWS, T1))
-
-    weight_chunk = fit(V * H * itemsize + dh)
+    if memory == 0:
+        C32 = chunk_tokens(T, V, itemsize)
+        if itemsize == 4 or accumulate == "fp32":
+            return C32, "fp32"
+        held32 = V * H * 4 + dh + C32 * row
+        unfused = T * row + V * H * itemsize
+        C = max(_fit(min(held32, unfused / 2), V * H * itemsize + dh, row, T1), C32)
+        if accumulate == "weight" or _sums_in_weight_dtype(T, C):
+            return C, "weight"
+        return C32, "fp32"
+    budget = memory * 2**30
+    weight_chunk = _fit(budget, V * H * itemsize + dh, row, T1)
     if weight_chunk >= T1 or accumulate == "weight":
         return weight_chunk, "weight"
-    fp32_chunk = fit(V * H * 4 + dh)
+    fp32_chunk = _fit(budget, V * H * 4 + dh, row, T1)
     if fp32_chunk >= min(EFFICIENT_CHUNK, T1) or itemsize == 4:
         return fp32_chunk, "fp32"
     warn_once(

@@ -61,7 +61,7 @@ class LMHeadOp:
     name: str
     fwd: object
     chunk: int = 0  # tokens per chunk when called directly (0: from the shapes)
-    accumulate: str = "fp32"
+    accumulate: str = "auto"
     memory: float = 0.0  # a budget in GiB (kernel.plan); -1: the least; 0: none
 
     def __call__(self, *args):
@@ -71,7 +71,7 @@ class LMHeadOp:
         flags = (g and named["h"].requires_grad, g and named["weight"].requires_grad)
         return self.fwd(*args, *flags, self.chunk, self.accumulate, self.memory)[0]
 
-    def configured(self, chunk: int = 0, accumulate: str = "fp32", memory: float = 0.0) -> LMHeadOp:
+    def configured(self, chunk: int = 0, accumulate: str = "auto", memory: float = 0.0) -> LMHeadOp:
         return LMHeadOp(self.spelling, self.name, self.fwd, chunk, accumulate, memory)
 
     def bind(self, args: dict, metas: dict, options) -> tuple:
@@ -89,6 +89,29 @@ class LMHeadOp:
             options.lm_head_accumulate,
             memory_gib(options.lm_head_memory),
         )
+
+
+# Made in the forward (for a loss gradient of 1, scaled in the backward), the gradients cost the
+# backward a read of its loss gradient on the host: the host waits there for the GPU to finish the
+# forward, the LM head's matmuls last. Where the host sets the pace (small models: a 135M Llama's
+# step on an H200 spends 23.5 of its 41.5 ms on the GPU), that wait is lost; deferred, the
+# gradients cost one more logits matmul (2 T H V flops) instead. A head on a GPU whose extra matmul
+# is at most DEFER_FLOPS (about a millisecond on an H200) is deferred: at most that is lost where
+# the GPU sets the pace, and the wait, about three times it, is won where the host does.
+DEFER_FLOPS = 1e12
+
+
+def defers(metas: dict) -> bool:
+    """Whether a head with these matched tensors (h, weight) makes its gradients in the backward."""
+    h, w = metas.get("h"), metas.get("weight")
+    if not isinstance(h, torch.Tensor) or not isinstance(w, torch.Tensor) or h.device.type != "cuda":
+        return False
+    dims = (*h.shape, *w.shape)
+    if not all(isinstance(d, int) for d in dims) or w.dim() != 2:  # symbolic sizes: no estimate
+        return False
+    T = math.prod(h.shape[:-1])
+    V, H = w.shape
+    return 2 * T * H * V <= DEFER_FLOPS
 
 
 def op_for(spelling, rounding: str = "autograd", deferred: bool = False) -> LMHeadOp:

@@ -36,7 +36,7 @@ class RowFamily(Family):
             return generation_failed(spelling.qualname, e)
         return None
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None) -> GraftedOp:
+    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None, metas=None) -> GraftedOp:
         return op_for(spelling, rounding, recompute)
 
     def pair_op(self, spelling, rounding: str = "autograd") -> GraftedOp:

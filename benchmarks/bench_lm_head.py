@@ -28,6 +28,7 @@ from kernelgraft.patterns import REGISTRY
 SHAPES = [(8192, 4096, 128256), (8192, 2304, 256000)]
 CHUNKS = (512, 1536, 2048, 3072, 4096)  # tokens per chunk, bf16 sums (--chunks)
 SWEEP = False
+ONLY = None  # --only: the implementations to measure (None: all)
 
 
 def eager(h, w, t):
@@ -93,7 +94,7 @@ def measure(T, H, V):
     del h64, w64
     torch.cuda.empty_cache()
     rows = {}
-    todo = list(impls().items())
+    todo = [(n, f) for n, f in impls().items() if ONLY is None or n in ONLY]
     budgets_added = False
     while todo:
         name, f = todo.pop(0)
@@ -117,7 +118,11 @@ def measure(T, H, V):
             rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
         torch.cuda.empty_cache()
         if not budgets_added and "peak_gib_above_inputs" in rows.get("torch.compile", {}):
-            todo += budget_impls(rows["torch.compile"]["peak_gib_above_inputs"], T, H, V)
+            todo += [
+                (n, f)
+                for n, f in budget_impls(rows["torch.compile"]["peak_gib_above_inputs"], T, H, V)
+                if ONLY is None or n in ONLY
+            ]
             budgets_added = True
     if PROFILE:
         rows["profile"] = profile(impls()["kernelgraft (default)"], h, w, t)
@@ -193,18 +198,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--profile", action="store_true", help="also print kernelgraft's CUDA time per kernel")
+    ap.add_argument("--only", help="comma-separated implementation names to measure (default: all)")
+    ap.add_argument("--rows", help="comma-separated indices into SHAPES, in the order to run (default: all)")
     ap.add_argument("--chunks", action="store_true", help="also sweep the chunk (bf16 sums) and a budget of half the unfused head")
     ap.add_argument(
         "--tune-ce", action="store_true", help="time the CE kernel alone over launch configs first"
     )
     a = ap.parse_args()
-    global PROFILE, TRACE, SWEEP
+    global PROFILE, TRACE, SWEEP, ONLY
     PROFILE = a.profile
     SWEEP = a.chunks
+    ONLY = set(a.only.split(",")) if a.only else None
     os.makedirs(a.out, exist_ok=True)
     TRACE = os.path.join(a.out, "lm_head_trace.json") if a.profile else None
     tuned = tune_ce() if a.tune_ce else None
-    res = [measure(*s) for s in SHAPES]
+    rows = [SHAPES[int(i)] for i in a.rows.split(",")] if a.rows else SHAPES
+    res = [measure(*s) for s in rows]
     doc = dict(
         date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), results=res, ce_tuning=tuned
     )
@@ -225,7 +234,8 @@ def main():
                 continue
             ms = v["fwd_bwd_ms"]
             lines.append(
-                f"| {n} | {ms:.2f} | {e / ms:.2f}x | {c / ms:.2f}x | {v['peak_gib_above_inputs']:.2f} | "
+                f"| {n} | {ms:.2f} | {f'{e / ms:.2f}x' if e else '-'} | {f'{c / ms:.2f}x' if c else '-'} | "
+                f"{v['peak_gib_above_inputs']:.2f} | "
                 f"{v['err_loss']:.2e} | {v['err_grad_h']:.2e} | {v['err_grad_w']:.2e} |"
             )
     md = "\n".join(lines) + "\n"

@@ -96,7 +96,7 @@ def test_loss_and_gradients_agree(arch, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 def test_peft_lora(arch, dtype, device):
     from peft import LoraConfig, get_peft_model
 
@@ -105,11 +105,13 @@ def test_peft_lora(arch, dtype, device):
     stock = get_peft_model(tiny_model(arch, dtype), cfg).to(device)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     verdicts = compare_models(grafted, stock, batch(device=device), compiled=False)  # eager alone: stricter
+    adapted = 4 if arch == "phi3" else 7  # q,k,v,o,gate,up,down; Phi-3: qkv_proj, o, gate_up_proj, down
     lora = [v for v in verdicts if "lora_" in v.what]
-    assert len(lora) == 2 * 7 * stock.config.num_hidden_layers  # A and B of q,k,v,o,gate,up,down
+    assert len(lora) == 2 * adapted * stock.config.num_hidden_layers  # A and B of each
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
-    assert grafted.kernelgraft_report.counts()["rms_norm"] >= 5
+    counts = grafted.kernelgraft_report.counts()
+    assert counts["rms_norm"] >= 5 and counts["lora"] == adapted * stock.config.num_hidden_layers
 
 
 def test_near_misses_teach_on_cohere():

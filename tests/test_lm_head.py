@@ -409,7 +409,9 @@ def test_hand_written_loop_is_served():
 
 
 @pytest.mark.parametrize(
-    "options", [dict(label_smoothing=0.1), dict(reduction="none"), dict(weight=torch.rand(50))], ids=str
+    "options",
+    [dict(label_smoothing=0.1), dict(reduction="none"), dict(weight=torch.rand(50, generator=torch.Generator().manual_seed(0)))],
+    ids=["label_smoothing", "reduction_none", "class_weights"],
 )
 def test_unserved_losses_keep_the_stock_code(options):
     ids = torch.randint(0, 50, (3, 9))

@@ -29,6 +29,8 @@ def tiny_config(arch: str, layers: int = 2):
     )
     if arch in ("gemma2", "gemma3_text"):
         kw.update(sliding_window=8, query_pre_attn_scalar=16)
+    if arch == "qwen3_moe":  # tiny experts, as many as Mixtral's (its defaults: 128 of width 768, top 8)
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
     return AutoConfig.for_model(arch, **kw)
 
 

@@ -1,8 +1,9 @@
 """Kernels: a spelling's math -> Triton, behind one interface per kernel family (family.py).
 
 Families today: "row" (rows/: element-wise math and row reductions, generated from the spelling by
-the sympy generator in spec.py and derive.py) and "lm_head_ce" (lm_head/: linear + cross-entropy,
-chunked, its logit transform generated). They share the op naming and caching (family.py), the
+the sympy generator in spec.py and derive.py), "lm_head_ce" (lm_head/: linear + cross-entropy,
+chunked, its logit transform generated) and "lora" (lora/: a low-rank adapter's path, its two
+small matmuls and their adjoints fused with the spelling's roundings). They share the op naming and caching (family.py), the
 fallback to the spelling's own code (fallback.py) and the on-disk source cache (cache.py).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..patterns import REGISTRY
-from . import fallback, lm_head, rows
+from . import fallback, lm_head, lora, rows
 from .cache import cache_dir
 from .family import FAMILIES, Family, KernelSource, Unsupported, family_of
 from .rows import MAX_N, MAX_ROWS, row_kernel
@@ -89,6 +90,7 @@ __all__ = [
     "failed_kernels",
     "family_of",
     "lm_head",
+    "lora",
     "op_for",
     "refusal",
     "row_kernel",

@@ -1,0 +1,134 @@
+"""The LoRA custom ops: forward (out, and u = x A^T for the backward) and backward, per spelling.
+
+A kernel that fails to load, compile or launch is recorded once (a warning names the sites), and
+the site runs its spelling's own code from then on: the same numbers as without kernelgraft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..fallback import has_failed, record_failure, reference_gradients
+from ..family import cached_op, op_name
+from . import kernel
+
+ABI = 1
+
+
+@dataclass
+class LoRAOp:
+    spelling: object
+    name: str
+    fwd: object
+
+    def __call__(self, *args):
+        """The layer's output, from the spelling's own arguments (what gradcheck calls)."""
+        return self.fwd(*args)[0]
+
+    def bind(self, args: dict, metas: dict, options) -> tuple:
+        sp = self.spelling
+        return tuple(args[a] if a not in sp.scalar_names else float(args[a]) for a in sp.arg_names)
+
+
+def op_for(spelling) -> LoRAOp:
+    name = op_name(spelling, "", ABI)
+    return cached_op(name, lambda: _define(spelling, name))
+
+
+def _failed(x: torch.Tensor, A: torch.Tensor, od: torch.dtype, e: Exception, spelling) -> None:
+    record_failure(
+        kernel.kernel_name(x.dtype, A.dtype, od),
+        x.device,
+        e,
+        "Its sites run the adapter path as PyTorch does.",
+        spelling,
+        x.dtype,
+    )
+
+
+def _define(sp, name: str) -> LoRAOp:
+    names = list(sp.arg_names)
+    tensors = [a for a in names if a not in sp.scalar_names]
+    scalar = next(iter(sp.scalar_names))
+
+    def parts(args):
+        n = dict(zip(names, args))
+        return n["x"], n["result"], n["lora_a"], n["lora_b"], n[scalar]
+
+    def impl(*args):
+        x, result, A, B, s = parts(args)
+        if not has_failed(kernel.kernel_name(x.dtype, A.dtype, result.dtype), x.device.type):
+            try:
+                return kernel.forward(x, result, A, B, s)
+            except Exception as e:  # noqa: BLE001 - compile or launch failure: the stock code runs
+                _failed(x, A, result.dtype, e, sp)
+        with torch.no_grad():
+            return sp.fn(*args), torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(A.dtype), A)
+
+    def fake(*args):
+        x, result, A, B, s = parts(args)
+        T = x.numel() // max(x.shape[-1], 1)
+        return torch.empty_like(result, memory_format=torch.contiguous_format), A.new_empty((T, A.shape[0]))
+
+    schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
+    lib = f"kernelgraft::{name}"
+    op = torch.library.custom_op(lib, impl, mutates_args=(), schema=f"({schema_args}) -> (Tensor, Tensor)")
+    op.register_fake(fake)
+
+    def bwd_impl(g, u, needs, *args):
+        """(dx, dA, dB) for `needs` of (x, lora_a, lora_b); empty where not needed."""
+        x, result, A, B, s = parts(args)
+        if not has_failed(kernel.kernel_name(x.dtype, A.dtype, result.dtype), x.device.type):
+            try:
+                got = kernel.backward(g, x, A, B, u, s, tuple(needs))
+                return [d if d is not None else t.new_empty(0) for d, t in zip(got, (x, A, B))]
+            except Exception as e:  # noqa: BLE001 - compile or launch failure: the stock code runs
+                _failed(x, A, result.dtype, e, sp)
+        want = dict(zip(("x", "lora_a", "lora_b"), needs))
+        got = reference_gradients(sp, g, args, [want.get(n, False) for n in tensors])
+        by_name = dict(zip(tensors, got))
+        return [by_name[n] for n in ("x", "lora_a", "lora_b")]
+
+    def bwd_fake(g, u, needs, *args):
+        x, result, A, B, s = parts(args)
+        return [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip((x, A, B), needs)]
+
+    bwd = torch.library.custom_op(
+        f"{lib}_bwd",
+        bwd_impl,
+        mutates_args=(),
+        schema=f"(Tensor g, Tensor u, bool[] needs, {schema_args}) -> Tensor[]",
+    )
+    bwd.register_fake(bwd_fake)
+    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
+    t_idx = [names.index(n) for n in tensors]
+    x_i, r_i, a_i, b_i = (names.index(n) for n in ("x", "result", "lora_a", "lora_b"))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output[1], *(inputs[i] for i in t_idx))
+        ctx.rest = list(inputs)
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, g, _u):
+        grads = [None] * len(names)
+        if g is None:
+            return tuple(grads)
+        u, *saved = ctx.saved_tensors
+        args = list(ctx.rest)
+        for i, t in zip(t_idx, saved):
+            args[i] = t
+        if ctx.needs_input_grad[r_i]:
+            grads[r_i] = g  # the base output's gradient: g itself (an exact cast where the sum promoted)
+        needs = [bool(ctx.needs_input_grad[i]) for i in (x_i, a_i, b_i)]
+        if any(needs):
+            got = bwd_op(g, u, needs, *args)
+            for i, need, d in zip((x_i, a_i, b_i), needs, got):
+                if need:
+                    grads[i] = d
+        return tuple(grads)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return LoRAOp(sp, name, getattr(torch.ops.kernelgraft, name).default)

@@ -1,0 +1,153 @@
+"""The LoRA pattern and its kernels: peft's adapter path, matched on the graph and served by fused
+Triton kernels (kernels/lora/), checked against float64 truth and eager by the accuracy rule."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+from kernelgraft.gradcheck import check_spelling
+from kernelgraft.kernels import refusal
+from kernelgraft.patterns import REGISTRY
+
+PEFT = REGISTRY.get("lora", "peft")
+SAME = REGISTRY.get("lora", "peft_same_dtype")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _args(T, K, N, r, xd, ad, od, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g).to(xd).requires_grad_()
+    res = torch.randn(T, N, generator=g).to(od).requires_grad_()
+    a = (torch.randn(r, K, generator=g) / K**0.5).to(ad).requires_grad_()
+    b = (torch.randn(N, r, generator=g) / r**0.5).to(ad).requires_grad_()
+    return (x, res, a, b, 2.0)
+
+
+@pytest.mark.parametrize(
+    "sp,xd,ad,od,r",
+    [
+        (SAME, F32, F32, F32, 1),  # a float32 model
+        (PEFT, BF16, F32, BF16, 16),  # peft's default on a bf16 model: float32 adapters
+        (PEFT, F16, F32, F16, 33),  # a rank block of 64
+        (SAME, BF16, BF16, BF16, 5),  # autocast_adapter_dtype=False: every product rounds in bf16
+        (PEFT, F32, BF16, F32, 3),  # x rounded to the adapters' dtype first
+        (SAME, F32, F32, BF16, 8),  # dropout > 0: x is the float32 dropout output, the result bf16
+    ],
+    ids=["f32", "bf16-f32adapters", "f16-rank33", "bf16-bf16adapters", "f32-bf16adapters", "dropout-x"],
+)
+def test_the_op_passes_the_rule_in_every_dtype(sp, xd, ad, od, r):
+    """Output and the gradients of x, the base output and both adapters, against float64 truth
+    beside eager (the adapter path as peft runs it: float32 adapters run in float32)."""
+    verdicts = check_spelling(sp, _args(70, 96, 40, r, xd, ad, od), compile_ref=False)
+    assert [v.what for v in verdicts] == ["out", "grad x", "grad result", "grad lora_a", "grad lora_b"]
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_largest_rank_is_served_and_a_larger_one_refused():
+    x, res, a, b, s = _args(9, 40, 24, 256, BF16, F32, BF16)
+    assert all(v.ok for v in check_spelling(PEFT, (x, res, a, b, s), compile_ref=False))
+    metas = dict(x=x, result=res, lora_a=torch.empty(257, 40), lora_b=torch.empty(24, 257))
+    assert refusal(PEFT, metas) == "rank 257; the kernels serve ranks up to 256"
+    metas = dict(x=x, result=res, lora_a=a.double(), lora_b=b.double())
+    assert "adapters of torch.float64" in refusal(PEFT, metas)
+
+
+def test_gradients_the_graph_does_not_need_are_not_made():
+    """A frozen base output and x that needs no gradient (the first adapted layer's input)."""
+    x, res, a, b, s = _args(12, 32, 16, 4, BF16, F32, BF16)
+    x, res = x.detach(), res.detach()
+    out = PEFT.fn(x, res, a, b, s)
+    sp_op = kernelgraft.kernels.op_for(PEFT)
+    mine = sp_op(x, res, a, b, s)
+    g = torch.randn_like(out)
+    want = torch.autograd.grad(out, (a, b), g)
+    got = torch.autograd.grad(mine, (a, b), g)
+    for w, k in zip(want, got):
+        torch.testing.assert_close(k, w, rtol=1e-5, atol=1e-6)
+
+
+def _lora(arch, dtype, **cfg):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = dict(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(tiny_model(arch, dtype), LoraConfig(**dict(config, **cfg)))
+
+
+@pytest.mark.parametrize("arch,per_layer", [("llama", 7), ("qwen3", 7), ("phi3", 4)])
+def test_every_adapted_linear_is_served(arch, per_layer):
+    """q, k, v, o, gate, up, down (Phi-3: its fused qkv_proj and gate_up_proj, o, down)."""
+    model = _lora(arch, torch.bfloat16)
+    rep = kernelgraft.explain(model, **batch())
+    assert rep.counts()["lora"] == per_layer * model.config.num_hidden_layers, str(rep)
+    assert not rep.fallbacks and not rep.near_misses, str(rep)
+
+
+def test_rslora_and_dropout_are_served_with_the_models_numbers():
+    """rsLoRA is another scaling (a captured number); with dropout > 0 the dropout stays the model's
+    own op (the same random stream), and the kernels take its output."""
+    stock = _lora("llama", torch.bfloat16, use_rslora=True, lora_dropout=0.1)
+    stock.register_forward_pre_hook(lambda *_: torch.manual_seed(7) and None)  # one dropout stream per run
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    batches = [batch(seed=s) for s in range(2)]
+    verdicts = compare_models(mine, stock, batches, compiled=False)
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert mine.kernelgraft_report.counts()["lora"] == 14
+
+
+def test_unserved_adapters_are_reported_with_why():
+    """Two active adapters on a layer: a near miss naming the cast that differs; a rank above 256:
+    a fallback with the reason."""
+    from peft import LoraConfig
+
+    two = _lora("llama", torch.bfloat16, target_modules=["q_proj"])
+    two.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    two.base_model.set_adapter(["default", "second"])
+    rep = kernelgraft.explain(two, **batch())
+    assert "lora" not in rep.counts()
+    misses = [m for m in rep.near_misses if m.pattern == "lora"]
+    assert len(misses) == 2 and all("casts to the dtype of `result`" in m.reason for m in misses), str(rep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        big = _lora("llama", torch.bfloat16, r=300, target_modules=["v_proj"])
+    rep = kernelgraft.explain(big, **batch())
+    assert [f.reason for f in rep.fallbacks] == ["rank 300; the kernels serve ranks up to 256"] * 2, str(rep)
+
+
+def test_gradient_checkpointing_and_save_pretrained():
+    """Each decoder layer under torch.utils.checkpoint: its adapters are served there too, with the
+    numbers of the stock model (truth and eager without checkpointing: the same values; float32,
+    where checkpointing's own order of summing x's gradient does not move the errors); the adapter
+    then saves and loads as peft's own."""
+    from peft import PeftModel
+
+    stock = _lora("llama", torch.float32)
+    mine = copy.deepcopy(stock)
+    kw = {"use_reentrant": False}
+    if hasattr(mine, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        mine.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        mine.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    mine.enable_input_require_grads()
+    mine.train()
+    kernelgraft.optimize(mine, backend="eager")
+    bad = [str(v) for v in compare_models(mine, stock, [batch(seed=s) for s in range(2)], compiled=False) if not v.ok]
+    assert not bad, bad
+    assert mine.kernelgraft_report.counts()["lora"] == 14
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        mine.save_pretrained(d)
+        loaded = PeftModel.from_pretrained(tiny_model("llama", torch.float32), d)
+    want = {k: v for k, v in mine.state_dict().items() if "lora_" in k}
+    got = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert len(want) == 28 and want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)

@@ -6,6 +6,7 @@ architecture table is generated from ARCHS and checked here, so it cannot drift:
 """
 
 import copy
+import functools
 import re
 import sys
 from collections import Counter
@@ -66,12 +67,30 @@ def kernel_sites(rep, L: int) -> dict:
     return {k: v for k, v in counts.items() if k not in ("sdpa", "gqa")}
 
 
+LORA_ARCHS = ["llama", "qwen3", "phi3"]  # the LoRA rows: peft's LoRA on every linear layer
+
+
+def lora_model(arch: str, dtype=torch.float32, device="cpu"):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(tiny_model(arch, dtype), cfg).to(device)
+
+
+@functools.cache
+def explained(arch: str, device: str = "cpu", lora: bool = False):
+    """(model, explain report) of a tiny model on the default batch: shared by the site counts and
+    the README's table."""
+    model = lora_model(arch, device=device) if lora else tiny_model(arch, device=device)
+    return model, kernelgraft.explain(model, **batch(device=device))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sites_match_the_model(arch, device):
-    model = tiny_model(arch, device=device)
+    model, rep = explained(arch, device)
     b = batch(device=device)
-    rep = kernelgraft.explain(model, **b)
     assert kernel_sites(rep, model.config.num_hidden_layers) == expected_sites(model, b), str(rep)
     assert not rep.fallbacks and not rep.near_misses, str(rep)
 
@@ -96,13 +115,9 @@ def test_loss_and_gradients_agree(arch, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", LORA_ARCHS)
 def test_peft_lora(arch, dtype, device):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
-    stock = get_peft_model(tiny_model(arch, dtype), cfg).to(device)
+    stock = lora_model(arch, dtype, device)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     verdicts = compare_models(grafted, stock, batch(device=device), compiled=False)  # eager alone: stricter
     adapted = 4 if arch == "phi3" else 7  # q,k,v,o,gate,up,down; Phi-3: qkv_proj, o, gate_up_proj, down
@@ -129,20 +144,22 @@ def test_near_misses_teach_on_cohere():
 
 
 def coverage_table() -> str:
-    """The README's table: for each architecture, the spellings kernelgraft finds and how often."""
+    """The README's table: for each architecture (and with peft's LoRA on every linear layer), the
+    spellings kernelgraft finds and how often."""
+    pats = ("rms_norm", "rope", "gated_mlp", "lm_head_ce", "lora")
     rows = [
-        "| architecture | rms_norm sites (spelling) | rope sites (spelling) | gated_mlp sites (spelling) "
-        "| lm_head_ce sites (spelling) | checked |",
-        "|---|---|---|---|---|---|",
+        "| architecture | " + " | ".join(f"{p} sites (spelling)" for p in pats) + " | checked |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for arch in ARCHS:
-        model = tiny_model(arch)
-        rep = kernelgraft.explain(model, **batch())
+    for arch, lora in [(a, False) for a in ARCHS] + [(a, True) for a in LORA_ARCHS]:
+        _, rep = explained(arch, "cpu", lora)
         cells = []
-        for pat in ("rms_norm", "rope", "gated_mlp", "lm_head_ce"):
+        for pat in pats:
             sp = Counter(s.spelling for s in rep.sites if s.pattern == pat)
             cells.append(", ".join(f"{n} ({k})" for k, n in sorted(sp.items())) or "-")
-        rows.append(f"| {arch} | {' | '.join(cells)} | loss + all grads, fp32 and bf16 |")
+        what = "loss + all grads" if not lora else "loss + adapter grads"
+        name = f"{arch} + LoRA (all linear)" if lora else arch
+        rows.append(f"| {name} | {' | '.join(cells)} | {what}, fp32 and bf16 |")
     return "\n".join(rows)
 
 

@@ -2,7 +2,9 @@
 FSDP2's fully_shard), each rank on its own batch; every parameter gradient judged by the accuracy
 rule against a float64 copy under the same wrapper. Run by tests/test_distributed.py:
 
-    python tests/dist_worker.py ddp|fsdp2 PORT      -> one line per rank: "rank R ok N" or "rank R FAIL ..."
+    python tests/dist_worker.py ddp|fsdp2|ddp-lora PORT  -> one line per rank: "rank R ok N" or "rank R FAIL ..."
+
+ddp-lora: a tiny Llama with peft's LoRA on every linear layer under DDP (the adapters' gradients).
 """
 
 import copy
@@ -58,7 +60,14 @@ def run(rank, world, how, port):
     # calls then carry a mask that reaches DDP's later pieces and FSDP2's layer graphs as an input
     mu._ignore_causal_mask_sdpa = lambda *a, **k: False
 
-    stock = tiny_model("llama")
+    if how == "ddp-lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+        stock, how = get_peft_model(tiny_model("llama"), cfg), "ddp"
+    else:
+        stock = tiny_model("llama")
     truth = copy.deepcopy(stock).to(torch.float64)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     b = batch(seed=rank + 1)  # each rank its own data: the gradients are averaged over both
@@ -72,7 +81,8 @@ def run(rank, world, how, port):
     causal = sum(c.runs[0] for c in rep.mask_checks)
     line = (
         f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {judged} served {served} "
-        f"sdpa {rep.counts().get('sdpa', 0)} graphs {rep.graphs} checked causal {causal}\n"
+        f"sdpa {rep.counts().get('sdpa', 0)} graphs {rep.graphs} checked causal {causal} "
+        f"lora {rep.counts().get('lora', 0)}\n"
     )
     # one write of the whole line: the two ranks share the pipe, and print() writes the text and its
     # newline separately (seen interleaved as "...served 12rank 0 ok ...")

@@ -125,8 +125,9 @@ def test_peft_lora(arch, dtype, device):
     assert len(lora) == 2 * adapted * stock.config.num_hidden_layers  # A and B of each
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
-    counts = grafted.kernelgraft_report.counts()
-    assert counts["rms_norm"] >= 5 and counts["lora"] == adapted * stock.config.num_hidden_layers
+    rep = grafted.kernelgraft_report
+    assert rep.counts()["rms_norm"] >= 5 and rep.counts()["lora"] == adapted * stock.config.num_hidden_layers
+    assert not rep.fallbacks and not rep.near_misses, str(rep)
 
 
 def test_near_misses_teach_on_cohere():

@@ -43,6 +43,18 @@ def test_optimized_model_under_data_parallel_gives_the_stock_gradients(how):
             assert int(graphs) > 1 and int(causal) >= 1, r.stdout
 
 
+def test_lora_under_ddp_gives_the_stock_adapter_gradients():
+    """peft's LoRA on every linear layer of a tiny Llama under DDP, each parameter a bucket of its
+    own: every adapted layer is served, and the loss and the 28 adapter gradients (averaged over
+    the two ranks) pass the rule."""
+    r = subprocess.run(
+        [sys.executable, str(WORKER), "ddp-lora", str(free_port())], capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = sorted(re.findall(r"rank (\d) (ok|FAIL[^\n]*?) (\d+) served .* lora (\d+)", r.stdout))
+    assert got == [("0", "ok", "29", "14"), ("1", "ok", "29", "14")], r.stdout
+
+
 def test_recompute_survives_ddp_cutting_the_graph():
     # DDPOptimizer compiles each piece of the cut graph on its own; an output read in a later piece
     # is that piece's input, saved. kernelgraft keeps each recomputed kernel in one piece with

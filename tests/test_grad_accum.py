@@ -123,3 +123,23 @@ def test_trainer_on_two_processes_equals_the_full_batch(tmp_path, how):
     # as the stock model's
     assert max_rel_diff(got["stock"], full) < 1e-5, max_rel_diff(got["stock"], full)
     assert max_rel_diff(got["kernelgraft"], full) < 1e-5, max_rel_diff(got["kernelgraft"], full)
+
+
+def test_trainer_with_lora_equals_the_stock_step(tmp_path):
+    """peft's LoRA on every linear layer, one Trainer step with accumulation: every adapted layer is
+    served, and the adapters move as the stock model's do (the base weights stay frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    stock = get_peft_model(tiny_model("llama"), cfg)
+    start = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    mine = train_one_step(grafted, 2, 4, tmp_path / "a")
+    ref = train_one_step(copy.deepcopy(stock), 2, 4, tmp_path / "b")
+    assert grafted.kernelgraft_report.counts()["lora"] == 14
+    adapters = [n for n in start if "lora_" in n]
+    assert len(adapters) == 28
+    assert max_rel_diff({n: mine[n] for n in adapters}, {n: start[n] for n in adapters}) > 1e-3
+    assert all(torch.equal(mine[n], start[n]) for n in start if n not in adapters)  # frozen
+    assert max_rel_diff(mine, ref) < 1e-5, max_rel_diff(mine, ref)

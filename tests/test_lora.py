@@ -50,6 +50,19 @@ def test_the_op_passes_the_rule_in_every_dtype(sp, xd, ad, od, r):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [1, 16, 64, 256])
+@pytest.mark.parametrize("sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"])
+def test_the_op_passes_the_rule_on_a_gpu(sp, xd, ad, r):
+    """The same kernels compiled for CUDA (IEEE float32 dots, no TF32), at a model's widths."""
+    args = tuple(
+        a.detach().cuda().requires_grad_() if isinstance(a, torch.Tensor) else a
+        for a in _args(1000, 2048, 1536, r, xd, ad, xd)
+    )
+    bad = [str(v) for v in check_spelling(sp, args, compile_ref=True) if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_largest_rank_is_served_and_a_larger_one_refused():
     x, res, a, b, s = _args(9, 40, 24, 256, BF16, F32, BF16)
     assert all(v.ok for v in check_spelling(PEFT, (x, res, a, b, s), compile_ref=False))

@@ -30,7 +30,7 @@ import torch
 
 from .. import emit
 from ..cache import load_module
-from ..launching import cdiv, pow2, register_kernels
+from ..launching import cdiv, launch_options, pow2, register_kernels
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
 
@@ -178,6 +178,11 @@ def _blocks(R: int) -> tuple[int, int, int]:
     return 32, 64, max(16, pow2(R))
 
 
+def _options(*ts: torch.Tensor) -> dict:
+    """No FMA contraction where a 2-byte dtype rounds (the products and sums round as eager's)."""
+    return launch_options("autograd", [t.dtype for t in ts], ts[0].device.type)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as rows of its last dim, unit stride along them."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -194,13 +199,14 @@ def forward(x, result, A, B, scaling: float):
     out = torch.empty((T, N), dtype=result.dtype, device=x.device)
     u = torch.empty((T, R), dtype=A.dtype, device=x.device)
     BT, BN, BR = _blocks(R)
+    opts = _options(x, A, result)
     if T:
         getattr(mod, f"{name}_down")[(cdiv(T, BT),)](
-            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), BT=BT, BK=BN, BR=BR
+            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), BT=BT, BK=BN, BR=BR, **opts
         )
         getattr(mod, f"{name}_up")[(cdiv(T, BT), cdiv(N, BN))](
             out, base, u, Bc, float(scaling), T, N, R, out.stride(0), base.stride(0), u.stride(0), Bc.stride(0),
-            BT=BT, BN=BN, BR=BR,
+            BT=BT, BN=BN, BR=BR, **opts,
         )  # fmt: skip
     return out.view(result.shape), u
 
@@ -214,30 +220,31 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], g2.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
     BT, BN, BR = _blocks(R)
+    opts = _options(x, A, g)
     s = float(scaling)
     dx = dA = dB = du = None
     if (need_x or need_a) and T:
         du = torch.empty((T, R), dtype=A.dtype, device=x.device)
         getattr(mod, f"{name}_grad_u")[(cdiv(T, BT),)](
-            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), BT=BT, BN=BN, BR=BR
+            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), BT=BT, BN=BN, BR=BR, **opts
         )
     if need_b:
         dB = torch.zeros((N, R), dtype=B.dtype, device=x.device)
         if T:
             getattr(mod, f"{name}_grad_b")[(cdiv(N, BN),)](
-                g2, u, dB, s, T, N, R, g2.stride(0), u.stride(0), dB.stride(0), BT=BT, BN=BN, BR=BR
+                g2, u, dB, s, T, N, R, g2.stride(0), u.stride(0), dB.stride(0), BT=BT, BN=BN, BR=BR, **opts
             )
     if need_a:
         dA = torch.zeros((R, K), dtype=A.dtype, device=x.device)
         if T:
             getattr(mod, f"{name}_grad_a")[(cdiv(K, BN),)](
-                du, x2, dA, T, K, R, du.stride(0), x2.stride(0), dA.stride(0), BT=BT, BK=BN, BR=BR
+                du, x2, dA, T, K, R, du.stride(0), x2.stride(0), dA.stride(0), BT=BT, BK=BN, BR=BR, **opts
             )
     if need_x:
         dx = torch.empty((T, K), dtype=x.dtype, device=x.device)
         if T:
             getattr(mod, f"{name}_grad_x")[(cdiv(T, BT), cdiv(K, BN))](
-                dx, du, Ac, T, K, R, dx.stride(0), du.stride(0), Ac.stride(0), BT=BT, BK=BN, BR=BR
+                dx, du, Ac, T, K, R, dx.stride(0), du.stride(0), Ac.stride(0), BT=BT, BK=BN, BR=BR, **opts
             )
         dx = dx.view(x.shape)
     return dx, dA, dB

@@ -20,9 +20,9 @@ from .registry import Scalar, pattern
 
 
 def _example(rows, n, dtype, g, same=False):
-    """x (rows, n), a base output (rows, n // 2 + 3) in x's dtype, adapters of rank 1-16 (float32,
-    or x's dtype where `same`)."""
-    N, r = n // 2 + 3, 1 + n % 16
+    """x (rows, n), a base output (rows, n // 2 + 3) in x's dtype, adapters of rank 1-64 by n
+    (float32, or x's dtype where `same`)."""
+    N, r = n // 2 + 3, 1 + (37 * n) % 64
     ad = dtype if same else torch.float32
     x = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
     res = torch.randn(rows, N, generator=g).to(dtype).requires_grad_()

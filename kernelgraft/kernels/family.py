@@ -134,6 +134,23 @@ def define(name: str, impl, fake, schema: str, traceable: bool = False):
     return op, overload
 
 
+def save_inputs(ctx, inputs, tensor_idx: list, *extra: torch.Tensor) -> None:
+    """An op's setup_context: `extra` (outputs the backward reads) and the inputs at tensor_idx
+    saved through autograd (so saved-tensor hooks see them: checkpointing, offloading), the other
+    inputs (numbers, flags) kept as they are."""
+    ctx.save_for_backward(*extra, *(inputs[i] for i in tensor_idx))
+    ctx.rest = [None if i in tensor_idx else a for i, a in enumerate(inputs)]
+
+
+def saved_inputs(ctx, tensor_idx: list, n_extra: int) -> tuple[list, list]:
+    """(the extra tensors, every input in place) as save_inputs kept them."""
+    saved = ctx.saved_tensors
+    args = list(ctx.rest)
+    for i, t in zip(tensor_idx, saved[n_extra:]):
+        args[i] = t
+    return list(saved[:n_extra]), args
+
+
 def traceable_impl(target):
     """The traceable implementation of op overload `target` (see define), or None."""
     return _TRACEABLE.get(target)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fallback import generation_failed, has_failed, spelling_vjp
-from ..family import Unsupported, cached_op, op_name
+from ..family import Unsupported, cached_op, op_name, save_inputs, saved_inputs
 from ..spec import SERVED
 from .kernel import KernelFailed, _kernel, forward, kernel_name
 from .transform import transform, transform_graph
@@ -234,8 +234,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output[1], *(inputs[i] for i in tensor_idx))
-        ctx.rest = [inputs[i] if i not in tensor_idx else None for i in range(len(inputs))]
+        save_inputs(ctx, inputs, tensor_idx, output[1])
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
 
@@ -243,10 +242,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         grads = [None] * (n_args + 5)
         if g is None:
             return tuple(grads)
-        ticket, *tensors = ctx.saved_tensors
-        args = list(ctx.rest)
-        for i, t in zip(tensor_idx, tensors):
-            args[i] = t
+        (ticket,), args = saved_inputs(ctx, tensor_idx, 1)
         gh, gw = bwd_op(g, ticket, *args)
         if ctx.needs_input_grad[h_idx] and gh.numel():
             grads[h_idx] = gh.view(args[h_idx].shape)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fallback import has_failed, record_failure, reference_gradients
-from ..family import cached_op, op_name
+from ..family import cached_op, op_name, save_inputs, saved_inputs
 from . import kernel
 
 ABI = 1
@@ -107,8 +107,7 @@ def _define(sp, name: str) -> LoRAOp:
     x_i, r_i, a_i, b_i = (names.index(n) for n in ("x", "result", "lora_a", "lora_b"))
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output[1], *(inputs[i] for i in t_idx))
-        ctx.rest = list(inputs)
+        save_inputs(ctx, inputs, t_idx, output[1])
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
 
@@ -116,10 +115,7 @@ def _define(sp, name: str) -> LoRAOp:
         grads = [None] * len(names)
         if g is None:
             return tuple(grads)
-        u, *saved = ctx.saved_tensors
-        args = list(ctx.rest)
-        for i, t in zip(t_idx, saved):
-            args[i] = t
+        (u,), args = saved_inputs(ctx, t_idx, 1)
         if ctx.needs_input_grad[r_i]:
             grads[r_i] = g  # the base output's gradient: g itself (an exact cast where the sum promoted)
         needs = [bool(ctx.needs_input_grad[i]) for i in (x_i, a_i, b_i)]

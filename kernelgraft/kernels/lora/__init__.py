@@ -1,7 +1,7 @@
-"""The LoRA family: `base(x) + lora_B(lora_A(x.to(A.dtype))) * scaling`, cast back, served by fused
-Triton kernels that read x once in its own dtype and sum the adapter products in float32, adding the
-scaled update to the base layer's output in one pass over it (kernel.py has the method). The base
-layer stays a plain linear (cuBLAS).
+"""The LoRA family: peft's adapter path `(result + lora_B(lora_A(x.to(A.dtype))) * scaling)`, cast back
+to the base output's dtype, served by fused Triton kernels that read x once in its own dtype and sum
+the adapter products in float32, adding the scaled update to the base layer's output (`result`) in
+one pass over it (kernel.py has the method). The base layer stays a plain linear (cuBLAS).
 """
 
 from __future__ import annotations

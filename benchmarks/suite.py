@@ -219,6 +219,7 @@ SHAPES = {
                  attn_logit_softcapping=None, sliding_window=4096),
     ),
     "llama-1b LoRA 8x2048": dict(arch="llama", B=8, S=2048, lora=True, cfg=None),
+    "llama-8b LoRA 2x4096": dict(arch="llama", B=2, S=4096, lora=True, cfg=None),
     # a small model, where the host is in the loop: SmolLM-135M's shape; also measured under CUDA graphs
     "llama-135m 8x1024": dict(
         arch="llama", B=8, S=1024, extra_modes=("torch.compile (reduce-overhead)", "kernelgraft (inductor, reduce-overhead)"),
@@ -228,6 +229,7 @@ SHAPES = {
     ),
 }  # fmt: skip
 SHAPES["llama-1b LoRA 8x2048"]["cfg"] = SHAPES["llama-1b 8x2048"]["cfg"]
+SHAPES["llama-8b LoRA 2x4096"]["cfg"] = SHAPES["llama-8b 2x4096"]["cfg"]
 MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)", "liger")
 
 

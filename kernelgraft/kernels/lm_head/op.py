@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fallback import generation_failed, has_failed, spelling_vjp
-from ..family import Unsupported, cached_op, op_name, save_inputs, saved_inputs
+from ..family import Unsupported, cached_op, op_name, save_inputs, saved_inputs, schema_args
 from ..spec import SERVED
 from .kernel import KernelFailed, _kernel, forward, kernel_name
 from .transform import transform, transform_graph
@@ -179,13 +179,13 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         return loss, (loss.new_empty(0) if deferred else _ticket_like())
 
     tensor_idx = [i for i, a in enumerate(names) if a not in sp.scalar_names]
-    schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
+    args_schema = schema_args(sp)
     lib = f"kernelgraft::{name}"
     op = torch.library.custom_op(
         lib,
         impl,
         mutates_args=(),
-        schema=f"({schema_args}, bool needs_h, bool needs_w, int chunk, str accumulate, float memory) -> (Tensor, Tensor)",
+        schema=f"({args_schema}, bool needs_h, bool needs_w, int chunk, str accumulate, float memory) -> (Tensor, Tensor)",
     )
     op.register_fake(fake)
     h_idx, w_idx = names.index("h"), names.index("weight")
@@ -227,7 +227,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         f"{lib}_bwd",
         bwd_impl,
         mutates_args=(),
-        schema=f"(Tensor g, Tensor ticket, {schema_args}, bool needs_h, bool needs_w, int chunk, "
+        schema=f"(Tensor g, Tensor ticket, {args_schema}, bool needs_h, bool needs_w, int chunk, "
         "str accumulate, float memory) -> (Tensor, Tensor)",
     )
     bwd.register_fake(bwd_fake)

@@ -229,13 +229,13 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
             g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), BT=BT, BN=BN, BR=BR, **opts
         )
     if need_b:
-        dB = torch.zeros((N, R), dtype=B.dtype, device=x.device)
+        dB = (torch.empty if T else torch.zeros)((N, R), dtype=B.dtype, device=x.device)  # T rows: all written
         if T:
             getattr(mod, f"{name}_grad_b")[(cdiv(N, BN),)](
                 g2, u, dB, s, T, N, R, g2.stride(0), u.stride(0), dB.stride(0), BT=BT, BN=BN, BR=BR, **opts
             )
     if need_a:
-        dA = torch.zeros((R, K), dtype=A.dtype, device=x.device)
+        dA = (torch.empty if T else torch.zeros)((R, K), dtype=A.dtype, device=x.device)
         if T:
             getattr(mod, f"{name}_grad_a")[(cdiv(K, BN),)](
                 du, x2, dA, T, K, R, du.stride(0), x2.stride(0), dA.stride(0), BT=BT, BK=BN, BR=BR, **opts

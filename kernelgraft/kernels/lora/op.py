@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fallback import has_failed, record_failure, reference_gradients
-from ..family import cached_op, op_name, save_inputs, saved_inputs
+from ..family import cached_op, op_name, save_inputs, saved_inputs, schema_args
 from . import kernel
 
 ABI = 1
@@ -72,9 +72,9 @@ def _define(sp, name: str) -> LoRAOp:
         T = x.numel() // max(x.shape[-1], 1)
         return torch.empty_like(result, memory_format=torch.contiguous_format), A.new_empty((T, A.shape[0]))
 
-    schema_args = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in names)
+    args_schema = schema_args(sp)
     lib = f"kernelgraft::{name}"
-    op = torch.library.custom_op(lib, impl, mutates_args=(), schema=f"({schema_args}) -> (Tensor, Tensor)")
+    op = torch.library.custom_op(lib, impl, mutates_args=(), schema=f"({args_schema}) -> (Tensor, Tensor)")
     op.register_fake(fake)
 
     def bwd_impl(g, u, needs, *args):
@@ -99,7 +99,7 @@ def _define(sp, name: str) -> LoRAOp:
         f"{lib}_bwd",
         bwd_impl,
         mutates_args=(),
-        schema=f"(Tensor g, Tensor u, bool[] needs, {schema_args}) -> Tensor[]",
+        schema=f"(Tensor g, Tensor u, bool[] needs, {args_schema}) -> Tensor[]",
     )
     bwd.register_fake(bwd_fake)
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default

@@ -245,9 +245,9 @@ def build(shape, mode):
     if s.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        # as the peers' published LoRA row: r 16 on every linear of the decoder layers
+        # r 16, alpha 32 on every linear of the decoder layers
         lin = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        lc = LoraConfig(r=16, lora_alpha=16, target_modules=lin)
+        lc = LoraConfig(r=16, lora_alpha=32, target_modules=lin)
         model = get_peft_model(model, lc)
     return apply_mode(model, mode)
 

@@ -54,7 +54,7 @@ def test_the_op_passes_the_rule_in_every_dtype(sp, xd, ad, od, r):
 @pytest.mark.parametrize("r", [1, 16, 64, 256])
 @pytest.mark.parametrize("sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"])
 def test_the_op_passes_the_rule_on_a_gpu(sp, xd, ad, r):
-    """The same kernels compiled for CUDA (IEEE float32 dots, no TF32), at a model's widths."""
+    """The same kernels compiled for CUDA (tensor-core dots split to stay exact), at a model's widths."""
     args = tuple(
         a.detach().cuda().requires_grad_() if isinstance(a, torch.Tensor) else a
         for a in _args(1000, 2048, 1536, r, xd, ad, xd)
@@ -84,6 +84,28 @@ def test_gradients_the_graph_does_not_need_are_not_made():
     got = torch.autograd.grad(mine, (a, b), g)
     for w, k in zip(want, got):
         torch.testing.assert_close(k, w, rtol=1e-5, atol=1e-6)
+
+
+
+def test_the_base_output_is_not_kept_for_the_backward():
+    """No gradient depends on the base output's value: saving it would keep every adapted layer's
+    full output alive until the backward. What the op saves is x, the adapters and u."""
+    x, res, a, b, s = _args(24, 32, 40, 4, BF16, F32, BF16)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mine = kernelgraft.kernels.op_for(PEFT)(x, res, a, b, s)
+    assert not any(t.data_ptr() == res.data_ptr() or t.shape == res.shape for t in saved)
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)
+    g = torch.randn_like(mine)
+    gx, gres = torch.autograd.grad(mine, (x, res), g)
+    assert torch.equal(gres, g)  # the base output's gradient is g itself
+    want = torch.autograd.grad(PEFT.fn(x, res, a, b, s), x, g)[0]
+    assert gx.shape == want.shape and gx.dtype == want.dtype  # its values: the rule, tests above
 
 
 def _lora(arch, dtype, **cfg):

@@ -18,7 +18,9 @@ and in the backward, for the output's gradient g (gv = R_a(R_a(R_p(g)) * s)):
 R_a, R_p, R_o and R_x round to the adapters' dtype, to the promoted dtype of the result's and the
 adapters', to the result's dtype and to x's: every rounding point the spelling has (float32 adapters: R_a and R_p keep float32; bf16
 adapters: every matmul and product rounds, as the unfused model's). The products are summed in
-float32 (`tl.dot`, IEEE float32: no TF32) whatever the dtype of x, so x is never copied to float32.
+float32 whatever the dtype of x, so x is never copied to float32; on the GPU they run on the tensor
+cores, split so that they stay exact (`precision`). dA and dB sum over all rows: the rows are split
+across programs and the splits' float32 sums added afterwards, so the GPU is filled.
 The matmuls' adjoints are the rules of a product of matrices: d(P Q) = dP Q + P dQ.
 """
 
@@ -50,7 +52,7 @@ def {name}(x):
 """
 
 
-def kernel_source(name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype) -> str:
+def kernel_source(name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3") -> str:
     pd = torch.promote_types(od, ad)
     head = emit.HEADER.format(
         qual="lora", dtypes=f"x: {xd}, adapters: {ad}", kinds="rows of x, rank columns", out=str(od)
@@ -72,7 +74,7 @@ def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su,
         k = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
         at = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
-        acc += tl.dot(_r_a(xt.to(tl.float32)), at.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(_r_a(xt.to(tl.float32)), at.to(tl.float32), input_precision="{precision}")
     tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc), mask=(t[:, None] < T) & (r[None, :] < R))
 
 
@@ -86,7 +88,7 @@ def {name}_up(o_ptr, base_ptr, u_ptr, b_ptr, s, T, N, R, so, sbase, su, sb,
     r = tl.arange(0, BR)
     ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
     bt = tl.load(b_ptr + n[None, :] * sb + r[:, None], mask=(n[None, :] < N) & (r[:, None] < R), other=0.0)
-    v = _r_a(tl.dot(ut.to(tl.float32), bt.to(tl.float32), input_precision="ieee"))
+    v = _r_a(tl.dot(ut.to(tl.float32), bt.to(tl.float32), input_precision="{precision}"))
     m = (t[:, None] < T) & (n[None, :] < N)
     base = tl.load(base_ptr + t[:, None] * sbase + n[None, :], mask=m, other=0.0).to(tl.float32)
     y = _r_o(_r_p(base + _r_a(v * s)))
@@ -110,38 +112,42 @@ def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu,
     for n0 in range(0, N, BN):
         n = n0 + tl.arange(0, BN)
         bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-        acc += tl.dot(_gv(g_ptr, t, n, T, N, sg, s), bt.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(_gv(g_ptr, t, n, T, N, sg, s), bt.to(tl.float32), input_precision="{precision}")
     tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc), mask=(t[:, None] < T) & (r[None, :] < R))
 
 
 @triton.jit
-def {name}_grad_b(g_ptr, u_ptr, db_ptr, s, T, N, R, sg, su, sdb,
+def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    # dB = R_a(gv^T @ u), summed over the rows
+    # dB's float32 sums of gv^T @ u over one split of the rows: part[split, n, r]
     s = tl.full([], s, tl.float32)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, BR)
+    lo = tl.program_id(1) * rows
     acc = tl.full((BN, BR), 0.0, tl.float32)
-    for t0 in range(0, T, BT):
+    for t0 in range(lo, lo + rows, BT):
         t = t0 + tl.arange(0, BT)
         ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
-        acc += tl.dot(tl.trans(_gv(g_ptr, t, n, T, N, sg, s)), ut.to(tl.float32), input_precision="ieee")
-    tl.store(db_ptr + n[:, None] * sdb + r[None, :], _r_a(acc), mask=(n[:, None] < N) & (r[None, :] < R))
+        acc += tl.dot(tl.trans(_gv(g_ptr, t, n, T, N, sg, s)), ut.to(tl.float32), input_precision="{precision}")
+    out = part_ptr + tl.program_id(1) * N * R + n[:, None] * R + r[None, :]
+    tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
 
 
 @triton.jit
-def {name}_grad_a(du_ptr, x_ptr, da_ptr, T, K, R, sdu, sx, sda,
+def {name}_grad_a(du_ptr, x_ptr, part_ptr, T, K, R, sdu, sx, rows,
                   BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    # dA = R_a(du^T @ R_a(x)), summed over the rows
+    # dA's float32 sums of du^T @ R_a(x) over one split of the rows: part[split, r, k]
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     r = tl.arange(0, BR)
+    lo = tl.program_id(1) * rows
     acc = tl.full((BR, BK), 0.0, tl.float32)
-    for t0 in range(0, T, BT):
+    for t0 in range(lo, lo + rows, BT):
         t = t0 + tl.arange(0, BT)
         dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
-        acc += tl.dot(tl.trans(dut.to(tl.float32)), _r_a(xt.to(tl.float32)), input_precision="ieee")
-    tl.store(da_ptr + r[:, None] * sda + k[None, :], _r_a(acc), mask=(r[:, None] < R) & (k[None, :] < K))
+        acc += tl.dot(tl.trans(dut.to(tl.float32)), _r_a(xt.to(tl.float32)), input_precision="{precision}")
+    out = part_ptr + tl.program_id(1) * R * K + r[:, None] * K + k[None, :]
+    tl.store(out, acc, mask=(r[:, None] < R) & (k[None, :] < K))
 
 
 @triton.jit
@@ -153,7 +159,7 @@ def {name}_grad_x(dx_ptr, du_ptr, a_ptr, T, K, R, sdx, sdu, sa,
     r = tl.arange(0, BR)
     dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
     at = tl.load(a_ptr + r[:, None] * sa + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
-    dx = _r_x(_r_a(tl.dot(dut.to(tl.float32), at.to(tl.float32), input_precision="ieee")))
+    dx = _r_x(_r_a(tl.dot(dut.to(tl.float32), at.to(tl.float32), input_precision="{precision}")))
     tl.store(dx_ptr + t[:, None] * sdx + k[None, :], dx, mask=(t[:, None] < T) & (k[None, :] < K))
 '''
     )
@@ -168,14 +174,61 @@ def kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str)
     """The module of LoRA kernels for x of dtype xd, adapters of dtype ad and a base output of dtype
     od (the interpreter's on the CPU)."""
     name = kernel_name(xd, ad, od)
-    mod, _ = load_module(name, kernel_source(name, xd, ad, od), interpret=device_type == "cpu")
+    source = kernel_source(name, xd, ad, od, precision(ad))
+    mod, _ = load_module(name, source, interpret=device_type == "cpu")
     register_kernels(name)
     return mod, name
 
 
-def _blocks(R: int) -> tuple[int, int, int]:
-    """(rows, columns, rank) per tile: tl.dot needs each at least 16."""
-    return 32, 64, max(16, pow2(R))
+def precision(ad: torch.dtype) -> str:
+    """How tl.dot multiplies on the GPU's tensor cores, exactly enough for the spelling's float32
+    sums. Every factor of a product is a value of the adapters' dtype or of x's (R_a, R_x), or u /
+    du / gv, rounded to the adapters' dtype. A bf16 or fp16 value is exact in TF32 (8 or 10
+    mantissa bits of TF32's 10, fp16's exponent inside TF32's range): one TF32 pass multiplies
+    exactly. A float32 value is split in a TF32 high part and a TF32 low part: three passes
+    (hi*hi + hi*lo + lo*hi) leave out only lo*lo, 2^-22 below the product; x in bf16/fp16 has no
+    low part at all. The sums are float32, as IEEE's. (The interpreter multiplies in float32.)"""
+    return "tf32x3" if ad == torch.float32 else "tf32"
+
+
+# (rows, columns, warps) per kernel's tile on the GPU at ranks up to 16, each the fastest of rows
+# 32/64/128 x columns 64/128 x 4/8 warps summed over a Llama-3.2-1B layer's four (width in, width
+# out) pairs at 16384 rows, rank 16 (H200, 2026-12-01: 1.27x faster over a layer than 32 x 64 x 4).
+# Larger ranks (not measured yet), and the interpreter, keep the smaller tile (the float32 sums of a
+# rank-256 tile fill the registers).
+GPU_TILES = {
+    "down": (64, 64, 4),
+    "up": (64, 128, 4),
+    "grad_u": (64, 64, 4),
+    "grad_b": (64, 128, 4),
+    "grad_a": (64, 128, 4),
+    "grad_x": (32, 128, 4),
+}
+SMALL_TILE = (32, 64, 4)
+
+
+def _blocks(R: int, kernel: str, device: torch.device) -> tuple[int, int, int, int]:
+    """(rows, columns, rank, warps) of `kernel`'s tile: tl.dot needs each side at least 16."""
+    BR = max(16, pow2(R))
+    BT, BN, warps = GPU_TILES[kernel] if device.type == "cuda" and BR <= 16 else SMALL_TILE
+    return BT, BN, BR, warps
+
+
+def _splits(T: int, blocks: int, BT: int, device: torch.device) -> tuple[int, int]:
+    """(splits, rows per split) of the T rows a weight gradient sums over: enough programs (blocks
+    of columns x splits) to fill the GPU about twice, each split at least 4 row tiles. The splits'
+    float32 sums are added in a fixed order afterwards (deterministic). On the CPU two splits, so
+    the interpreter runs the same two-stage sum."""
+    tiles = cdiv(max(T, 1), BT)
+    if device.type == "cuda":
+        from ..rows.tuning import sm_count
+
+        want = cdiv(2 * sm_count(device.index), blocks)
+    else:
+        want = 2
+    n = max(1, min(want, tiles // 4 if device.type == "cuda" else tiles))
+    rows = cdiv(tiles, n) * BT
+    return cdiv(max(T, 1), rows), rows
 
 
 def _options(*ts: torch.Tensor) -> dict:
@@ -198,15 +251,16 @@ def forward(x, result, A, B, scaling: float):
     Ac, Bc = A.contiguous(), B.contiguous()
     out = torch.empty((T, N), dtype=result.dtype, device=x.device)
     u = torch.empty((T, R), dtype=A.dtype, device=x.device)
-    BT, BN, BR = _blocks(R)
     opts = _options(x, A, result)
     if T:
+        BT, BK, BR, w = _blocks(R, "down", x.device)
         getattr(mod, f"{name}_down")[(cdiv(T, BT),)](
-            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), BT=BT, BK=BN, BR=BR, **opts
+            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), BT=BT, BK=BK, BR=BR, num_warps=w, **opts
         )
+        BT, BN, BR, w = _blocks(R, "up", x.device)
         getattr(mod, f"{name}_up")[(cdiv(T, BT), cdiv(N, BN))](
             out, base, u, Bc, float(scaling), T, N, R, out.stride(0), base.stride(0), u.stride(0), Bc.stride(0),
-            BT=BT, BN=BN, BR=BR, **opts,
+            BT=BT, BN=BN, BR=BR, num_warps=w, **opts,
         )  # fmt: skip
     return out.view(result.shape), u
 
@@ -219,32 +273,44 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     x2, g2 = _rows(x), _rows(g)
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], g2.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
-    BT, BN, BR = _blocks(R)
     opts = _options(x, A, g)
     s = float(scaling)
+    dev = x.device
     dx = dA = dB = du = None
     if (need_x or need_a) and T:
-        du = torch.empty((T, R), dtype=A.dtype, device=x.device)
+        du = torch.empty((T, R), dtype=A.dtype, device=dev)
+        BT, BN, BR, w = _blocks(R, "grad_u", dev)
         getattr(mod, f"{name}_grad_u")[(cdiv(T, BT),)](
-            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), BT=BT, BN=BN, BR=BR, **opts
+            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), BT=BT, BN=BN, BR=BR, num_warps=w, **opts
         )
     if need_b:
-        dB = (torch.empty if T else torch.zeros)((N, R), dtype=B.dtype, device=x.device)  # T rows: all written
-        if T:
-            getattr(mod, f"{name}_grad_b")[(cdiv(N, BN),)](
-                g2, u, dB, s, T, N, R, g2.stride(0), u.stride(0), dB.stride(0), BT=BT, BN=BN, BR=BR, **opts
-            )
+        BT, BN, BR, w = _blocks(R, "grad_b", dev)
+        dB = _summed(mod, f"{name}_grad_b", (N, R), B.dtype, T, cdiv(N, BN), BT, dev,
+                     lambda part, rows: (g2, u, part, s, T, N, R, g2.stride(0), u.stride(0), rows),
+                     dict(BT=BT, BN=BN, BR=BR, num_warps=w, **opts))  # fmt: skip
     if need_a:
-        dA = (torch.empty if T else torch.zeros)((R, K), dtype=A.dtype, device=x.device)
-        if T:
-            getattr(mod, f"{name}_grad_a")[(cdiv(K, BN),)](
-                du, x2, dA, T, K, R, du.stride(0), x2.stride(0), dA.stride(0), BT=BT, BK=BN, BR=BR, **opts
-            )
+        BT, BK, BR, w = _blocks(R, "grad_a", dev)
+        dA = _summed(mod, f"{name}_grad_a", (R, K), A.dtype, T, cdiv(K, BK), BT, dev,
+                     lambda part, rows: (du, x2, part, T, K, R, du.stride(0), x2.stride(0), rows),
+                     dict(BT=BT, BK=BK, BR=BR, num_warps=w, **opts))  # fmt: skip
     if need_x:
-        dx = torch.empty((T, K), dtype=x.dtype, device=x.device)
+        dx = torch.empty((T, K), dtype=x.dtype, device=dev)
         if T:
-            getattr(mod, f"{name}_grad_x")[(cdiv(T, BT), cdiv(K, BN))](
-                dx, du, Ac, T, K, R, dx.stride(0), du.stride(0), Ac.stride(0), BT=BT, BK=BN, BR=BR, **opts
+            BT, BK, BR, w = _blocks(R, "grad_x", dev)
+            getattr(mod, f"{name}_grad_x")[(cdiv(T, BT), cdiv(K, BK))](
+                dx, du, Ac, T, K, R, dx.stride(0), du.stride(0), Ac.stride(0), BT=BT, BK=BK, BR=BR, num_warps=w, **opts
             )
         dx = dx.view(x.shape)
     return dx, dA, dB
+
+
+def _summed(mod, kernel: str, shape: tuple, dtype: torch.dtype, T: int, blocks: int, BT: int, device, args, meta):
+    """A weight gradient summed over T rows: each split's float32 sums from `kernel`, then added
+    and rounded once to `dtype` (R_a)."""
+    if not T:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n, rows = _splits(T, blocks, BT, device)
+    part = torch.empty((n, *shape), dtype=torch.float32, device=device)
+    getattr(mod, kernel)[(blocks, n)](*args(part, rows), **meta)
+    total = part[0] if n == 1 else part.sum(0)
+    return total.to(dtype)

@@ -73,3 +73,34 @@ def test_merge_of_partial_runs_makes_the_table_and_plots(tmp_path):
     for part in ("patterns", "steps", "curves"):
         png = out / f"suite_{part}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_lora_report_names_the_tables_tile_and_the_fastest():
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import tune_lora
+
+    table = {k: str(v) for k, v in tune_lora.K.GPU_TILES.items()}
+    tiles = {
+        k: {table[k]: {"2048->512": 2e-3, "8192->2048": 1e-3}, "(128, 64, 8)": {"2048->512": 1e-3}}
+        for k in table
+    }
+    acc = [dict(what="dA", eager=4.7e-7, compile=4.7e-7, kernelgraft=2.7e-7, ok=True)]
+    md = tune_lora.markdown(
+        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", accuracy=acc, tiles=tiles)
+    )
+    assert f"| down | {table['down']} | 3 | (128, 64, 8) | 1 |" in md
+    assert "| dA | 4.700e-07 | 4.700e-07 | 2.700e-07 | ok |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_tune_lora_without_a_gpu_says_so(monkeypatch):
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import tune_lora
+
+    monkeypatch.setattr(sys, "argv", ["tune_lora.py"])
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        tune_lora.main()

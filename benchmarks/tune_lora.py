@@ -128,7 +128,7 @@ def _launches(t: dict, BT: int, BN: int, warps: int) -> dict:
     nb, rb = K._splits(T, cdiv(n, BN), BT, dev)
     na, ra = K._splits(T, cdiv(k_in, BN), BT, dev)
     pb, pa = torch.empty((nb, n, R), device=dev), torch.empty((na, R, k_in), device=dev)
-    m = dict(BR=16, num_warps=warps, **K._options(x))
+    m = dict(BR=16, num_warps=warps, **K._options(A, x))
 
     def kern(e):
         return getattr(mod, f"{name}_{e}")

@@ -55,6 +55,31 @@ def test_launched_by_inductor_gives_the_bits_of_the_python_launcher(arch):
         _same_bits(a, b_)
 
 
+def test_lora_launched_by_inductor_gives_the_bits_of_the_python_launcher():
+    """peft LoRA on every linear of a bf16 model (float32 adapters, peft's default): every site,
+    the adapters' kernels included, launched by inductor's code, with the bits of the Python
+    launcher's, the adapters' gradients included."""
+    from peft import LoraConfig, get_peft_model
+
+    b = batch(B=4, S=64, device="cuda")
+    got = {}
+    for launch in ("host", "inductor"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_model("llama", torch.bfloat16, device="cuda")
+        cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+        model = get_peft_model(model, cfg)
+        kernelgraft.optimize(model, launch=launch)
+        got[launch] = [_step(model, b, s) for s in (1.0, 0.3)]
+        report = model.kernelgraft_report
+        assert report.counts().get("lora", 0) > 0, report.counts()
+        if launch == "inductor":
+            assert not [k for k in report.launched_by if k.startswith("host")], report.launched_by
+    assert any("lora" in n for n in got["host"][0][1]), "no adapter gradients"
+    for a, b_ in zip(got["host"], got["inductor"]):
+        _same_bits(a, b_)
+
+
 class _Spelled(torch.nn.Module):
     def __init__(self, sp):
         super().__init__()

@@ -359,9 +359,84 @@ def test_every_generated_row_kernel_is_known_as_kernelgrafts():
     from kernelgraft.kernels.launching import is_kernelgraft_kernel
 
     sp = REGISTRY.get("rms_norm", "gemma")
-    k = row_kernel(sp, {"x": torch.bfloat16, "weight": torch.bfloat16}, {"x": "elem", "weight": "col"}, ROUNDING)
+    k = row_kernel(
+        sp, {"x": torch.bfloat16, "weight": torch.bfloat16}, {"x": "elem", "weight": "col"}, ROUNDING
+    )
     mod, _ = load_module(k.spec.name, k.source)
     names = [v.fn.__name__ for v in vars(mod).values() if isinstance(v, JITFunction)]
     entries = [n for n in names if n.startswith(k.spec.name)]
     assert len(entries) >= 4 and all(is_kernelgraft_kernel(n) for n in entries), names
     assert not is_kernelgraft_kernel("triton_poi_fused_add_0") and not is_kernelgraft_kernel(None)
+
+
+def _run_by_name_on_cpu(gm: fx.GraphModule, module, args: list):
+    """The traced graph run on CPU tensors: each recorded launch by the kernel of the same name in
+    `module` (the interpreter's instance of the same generated source)."""
+
+    class OnCPU(fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target is triton_kernel_wrapper_mutation:
+                kernel = kernel_side_table.get_kernel(kw["kernel_idx"])
+                consts = kernel_side_table.get_constant_args(kw["constant_args_idx"])
+                while not hasattr(kernel, "arg_names") or hasattr(kernel, "configs"):
+                    kernel = kernel.fn
+                getattr(module, kernel.__name__)[tuple(kw["grid"][0])](**kw["kwargs"], **consts)
+                self.launches.append(kernel.__name__)
+                return None
+            if "device" in kw:
+                kw = dict(kw, device=torch.device("cpu"))
+            return super().call_function(target, a, kw)
+
+    runner = OnCPU(gm)
+    runner.launches = []
+    return runner.run(*args), runner.launches
+
+
+@pytest.mark.parametrize("r", [4, 40])
+def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
+    """peft's default on a bf16 model (float32 adapters): the forward and backward calls become
+    their launches, with a GPU's tiles (rank 4: the tuned tile; 40: the small one) and a GPU's
+    row splits for dA and dB; run here, they give the Python launcher's bits with the same tiles."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    sp = REGISTRY.get("lora", "peft")
+    gen = torch.Generator().manual_seed(3)
+    x, res = torch.randn(600, 96, generator=gen).bfloat16(), torch.randn(600, 40, generator=gen).bfloat16()
+    a, b = torch.randn(r, 96, generator=gen) / 10, torch.randn(40, r, generator=gen) / 5
+    g = torch.randn(600, 40, generator=gen).bfloat16()
+    op = kernelgraft.kernels.op_for(sp)
+    bwd = getattr(torch.ops.kernelgraft, f"{op.name}_bwd").default
+
+    def step(x, res, a, b, g):
+        out, u = op.fwd(x, res, a, b, 2.0)
+        return [out, *bwd(g, u, [True, True, True], x, res, a, b, 2.0)]
+
+    gm = _graph(step, [x, res, a, b, g])
+    assert launch_in_graph(gm.graph) == {"inductor": 2}
+    gm.recompile()
+    assert _ops_left(gm) == []
+    module, _ = lk.kernels(torch.bfloat16, torch.float32, torch.bfloat16, "cpu")
+    got, launches = _run_by_name_on_cpu(gm, module, [x, res, a, b, g])
+    name = lk.kernel_name(torch.bfloat16, torch.float32, torch.bfloat16)
+    assert launches == [f"{name}_{k}" for k in ("down", "up", "grad_u", "grad_b", "grad_a", "grad_x")]
+    cuda = torch.device("cuda")
+    blocks, splits = lk._blocks, lk._splits
+    monkeypatch.setattr(lk, "_blocks", lambda R, kernel, device: blocks(R, kernel, cuda))
+    monkeypatch.setattr(lk, "_splits", lambda T, n, BT, device: splits(T, n, BT, cuda))
+    assert lk._splits(600, 1, 64, None)[0] > 1  # the row split is exercised
+    out, u = lk.forward(x, res, a, b, 2.0)
+    want = [out, *lk.backward(g, x, a, b, u, 2.0, (True, True, True))]
+    for what, k, w in zip(("out", "dx", "dA", "dB"), got, want):
+        assert torch.equal(k, w), what
+
+
+def test_lora_with_2_byte_adapters_stays_a_host_launch_and_says_why():
+    sp = REGISTRY.get("lora", "peft_same_dtype")
+    x, res = torch.randn(16, 32).bfloat16(), torch.randn(16, 24).bfloat16()
+    a, b = torch.randn(4, 32).bfloat16(), torch.randn(24, 4).bfloat16()
+    op = kernelgraft.kernels.op_for(sp)
+    gm = _graph(lambda x, res, a, b: list(op.fwd(x, res, a, b, 2.0)), [x, res, a, b])
+    counts = launch_in_graph(gm.graph)
+    assert counts["inductor"] == 0
+    (why,) = [k for k in counts if k.startswith("host:")]
+    assert "FMA contraction off" in why and "2-byte" in why

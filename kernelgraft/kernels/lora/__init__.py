@@ -18,7 +18,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class LoRAFamily(Family):
     name = "lora"
 
-    def refusal(self, spelling, metas: dict, rounding: str, options=None, training: bool = True) -> str | None:
+    def refusal(
+        self, spelling, metas: dict, rounding: str, options=None, training: bool = True
+    ) -> str | None:
         x, res, A, B = (metas.get(n) for n in ("x", "result", "lora_a", "lora_b"))
         if not all(isinstance(t, torch.Tensor) for t in (x, res, A, B)):
             return "an argument without a recorded value"
@@ -34,7 +36,9 @@ class LoRAFamily(Family):
             return f"rank {A.shape[0]}; the kernels serve ranks up to {kernel.MAX_RANK}"
         return None
 
-    def op(self, spelling, rounding: str = "autograd", recompute: bool = False, options=None, metas=None) -> LoRAOp:
+    def op(
+        self, spelling, rounding: str = "autograd", recompute: bool = False, options=None, metas=None
+    ) -> LoRAOp:
         return op_for(spelling)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from .. import emit
 from ..cache import load_module
-from ..launching import cdiv, launch_options, pow2, register_kernels
+from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, register_kernels, tracing
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
 
@@ -52,7 +52,9 @@ def {name}(x):
 """
 
 
-def kernel_source(name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3") -> str:
+def kernel_source(
+    name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3"
+) -> str:
     pd = torch.promote_types(od, ad)
     head = emit.HEADER.format(
         qual="lora", dtypes=f"x: {xd}, adapters: {ad}", kinds="rows of x, rank columns", out=str(od)
@@ -231,9 +233,21 @@ def _splits(T: int, blocks: int, BT: int, device: torch.device) -> tuple[int, in
     return cdiv(max(T, 1), rows), rows
 
 
-def _options(*ts: torch.Tensor) -> dict:
-    """No FMA contraction where a 2-byte dtype rounds (the products and sums round as eager's)."""
-    return launch_options("autograd", [t.dtype for t in ts], ts[0].device.type)
+def _options(A: torch.Tensor, *ts: torch.Tensor) -> dict:
+    """Triton's options for the launches. With float32 adapters no product or sum of the
+    element-wise parts rounds to a 2-byte dtype before the last cast (R_a and R_p keep float32), so
+    contracting `base + v * s` into one FMA only drops a float32 rounding: Triton's default, which
+    is also all that inductor's launches can take. With 2-byte adapters every product rounds as
+    eager's: no FMA contraction (launching.launch_options), and the launch stays a host launch
+    under inductor (NotTraceable)."""
+    if A.dtype == torch.float32:
+        return {}
+    if tracing():
+        raise NotTraceable(
+            "adapters in a 2-byte dtype need Triton's FMA contraction off to round as eager does, "
+            "which a launch by inductor's code cannot set"
+        )
+    return launch_options("autograd", [t.dtype for t in (A, *ts)], A.device.type)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -251,14 +265,27 @@ def forward(x, result, A, B, scaling: float):
     Ac, Bc = A.contiguous(), B.contiguous()
     out = torch.empty((T, N), dtype=result.dtype, device=x.device)
     u = torch.empty((T, R), dtype=A.dtype, device=x.device)
-    opts = _options(x, A, result)
+    opts = _options(A, x, result)
     if T:
         BT, BK, BR, w = _blocks(R, "down", x.device)
-        getattr(mod, f"{name}_down")[(cdiv(T, BT),)](
-            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), BT=BT, BK=BK, BR=BR, num_warps=w, **opts
+        launcher(getattr(mod, f"{name}_down"))[(cdiv(T, BT),)](
+            x2,
+            Ac,
+            u,
+            T,
+            K,
+            R,
+            x2.stride(0),
+            Ac.stride(0),
+            u.stride(0),
+            BT=BT,
+            BK=BK,
+            BR=BR,
+            num_warps=w,
+            **opts,
         )
         BT, BN, BR, w = _blocks(R, "up", x.device)
-        getattr(mod, f"{name}_up")[(cdiv(T, BT), cdiv(N, BN))](
+        launcher(getattr(mod, f"{name}_up"))[(cdiv(T, BT), cdiv(N, BN))](
             out, base, u, Bc, float(scaling), T, N, R, out.stride(0), base.stride(0), u.stride(0), Bc.stride(0),
             BT=BT, BN=BN, BR=BR, num_warps=w, **opts,
         )  # fmt: skip
@@ -273,15 +300,29 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     x2, g2 = _rows(x), _rows(g)
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], g2.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
-    opts = _options(x, A, g)
+    opts = _options(A, x, g)
     s = float(scaling)
     dev = x.device
     dx = dA = dB = du = None
     if (need_x or need_a) and T:
         du = torch.empty((T, R), dtype=A.dtype, device=dev)
         BT, BN, BR, w = _blocks(R, "grad_u", dev)
-        getattr(mod, f"{name}_grad_u")[(cdiv(T, BT),)](
-            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), BT=BT, BN=BN, BR=BR, num_warps=w, **opts
+        launcher(getattr(mod, f"{name}_grad_u"))[(cdiv(T, BT),)](
+            g2,
+            Bc,
+            du,
+            s,
+            T,
+            N,
+            R,
+            g2.stride(0),
+            Bc.stride(0),
+            du.stride(0),
+            BT=BT,
+            BN=BN,
+            BR=BR,
+            num_warps=w,
+            **opts,
         )
     if need_b:
         BT, BN, BR, w = _blocks(R, "grad_b", dev)
@@ -297,20 +338,35 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
         dx = torch.empty((T, K), dtype=x.dtype, device=dev)
         if T:
             BT, BK, BR, w = _blocks(R, "grad_x", dev)
-            getattr(mod, f"{name}_grad_x")[(cdiv(T, BT), cdiv(K, BK))](
-                dx, du, Ac, T, K, R, dx.stride(0), du.stride(0), Ac.stride(0), BT=BT, BK=BK, BR=BR, num_warps=w, **opts
+            launcher(getattr(mod, f"{name}_grad_x"))[(cdiv(T, BT), cdiv(K, BK))](
+                dx,
+                du,
+                Ac,
+                T,
+                K,
+                R,
+                dx.stride(0),
+                du.stride(0),
+                Ac.stride(0),
+                BT=BT,
+                BK=BK,
+                BR=BR,
+                num_warps=w,
+                **opts,
             )
         dx = dx.view(x.shape)
     return dx, dA, dB
 
 
-def _summed(mod, kernel: str, shape: tuple, dtype: torch.dtype, T: int, blocks: int, BT: int, device, args, meta):
+def _summed(
+    mod, kernel: str, shape: tuple, dtype: torch.dtype, T: int, blocks: int, BT: int, device, args, meta
+):
     """A weight gradient summed over T rows: each split's float32 sums from `kernel`, then added
     and rounded once to `dtype` (R_a)."""
     if not T:
         return torch.zeros(shape, dtype=dtype, device=device)
     n, rows = _splits(T, blocks, BT, device)
     part = torch.empty((n, *shape), dtype=torch.float32, device=device)
-    getattr(mod, kernel)[(blocks, n)](*args(part, rows), **meta)
-    total = part[0] if n == 1 else part.sum(0)
+    launcher(getattr(mod, kernel))[(blocks, n)](*args(part, rows), **meta)
+    total = part.squeeze(0) if n == 1 else part.sum(0)
     return total.to(dtype)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..fallback import has_failed, record_failure, reference_gradients
-from ..family import cached_op, op_name, save_inputs, saved_inputs, schema_args
+from ..family import cached_op, define, op_name, save_inputs, saved_inputs, schema_args
+from ..launching import tracing
 from . import kernel
 
 ABI = 1
@@ -63,6 +64,8 @@ def _define(sp, name: str) -> LoRAOp:
             try:
                 return kernel.forward(x, result, A, B, s)
             except Exception as e:  # noqa: BLE001 - compile or launch failure: the stock code runs
+                if tracing():  # traced for inductor: the call stays a host launch, nothing marked failed
+                    raise
                 _failed(x, A, result.dtype, e, sp)
         with torch.no_grad():
             return sp.fn(*args), torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).to(A.dtype), A)
@@ -73,9 +76,9 @@ def _define(sp, name: str) -> LoRAOp:
         return torch.empty_like(result, memory_format=torch.contiguous_format), A.new_empty((T, A.shape[0]))
 
     args_schema = schema_args(sp)
-    lib = f"kernelgraft::{name}"
-    op = torch.library.custom_op(lib, impl, mutates_args=(), schema=f"({args_schema}) -> (Tensor, Tensor)")
-    op.register_fake(fake)
+    # traceable: on CUDA under the inductor backend the calls become their launches in the compiled
+    # graph (rewriter/lowering.py), launched by inductor's generated code
+    op, fwd_op = define(name, impl, fake, f"({args_schema}) -> (Tensor, Tensor)", traceable=True)
 
     def bwd_impl(g, u, needs, *args):
         """(dx, dA, dB) for `needs` of (x, lora_a, lora_b); empty where not needed. `result` in
@@ -86,6 +89,8 @@ def _define(sp, name: str) -> LoRAOp:
                 got = kernel.backward(g, x, A, B, u, s, tuple(needs))
                 return [d if d is not None else t.new_empty(0) for d, t in zip(got, (x, A, B))]
             except Exception as e:  # noqa: BLE001 - compile or launch failure: the stock code runs
+                if tracing():
+                    raise
                 _failed(x, A, result.dtype, e, sp)
         want = dict(zip(("x", "lora_a", "lora_b"), needs))
         got = reference_gradients(sp, g, args, [want.get(n, False) for n in tensors])
@@ -96,14 +101,13 @@ def _define(sp, name: str) -> LoRAOp:
         x, result, A, B, s = parts(args)
         return [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip((x, A, B), needs)]
 
-    bwd = torch.library.custom_op(
-        f"{lib}_bwd",
+    _, bwd_op = define(
+        f"{name}_bwd",
         bwd_impl,
-        mutates_args=(),
-        schema=f"(Tensor g, Tensor u, bool[] needs, {args_schema}) -> Tensor[]",
+        bwd_fake,
+        f"(Tensor g, Tensor u, bool[] needs, {args_schema}) -> Tensor[]",
+        traceable=True,
     )
-    bwd.register_fake(bwd_fake)
-    bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
     x_i, r_i, a_i, b_i = (names.index(n) for n in ("x", "result", "lora_a", "lora_b"))
     # the base output is not saved: no gradient depends on its value (the update is added to it),
     # and the backward passes g (its shape and dtype) in its place. Saved, it would keep every
@@ -133,4 +137,4 @@ def _define(sp, name: str) -> LoRAOp:
         return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)
-    return LoRAOp(sp, name, getattr(torch.ops.kernelgraft, name).default)
+    return LoRAOp(sp, name, fwd_op)

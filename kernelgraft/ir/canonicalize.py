@@ -129,6 +129,8 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return half
         if args[0].op == "shape_of" and args[1] == -1:
             return b.new("last_dim", (args[0].args[0],), fx=n)
+        if args[0].op == "shape_of" and args[1] == slice(-1, None, None):  # x.shape[-1:]
+            return b.new("last_shape", (args[0].args[0],), fx=n)
         if args[0].op == "chunk2" and args[1] in (0, 1):
             return b.new("half", (args[0].args[0],), (("part", args[1]),), fx=n)
         rows = _row_index(args[0], args[1])
@@ -158,6 +160,8 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return b.new("linear", tuple(_autocast_inputs(b, n, args[:2])), fx=n)
     if target is F.cross_entropy:
         return _cross_entropy(b, n, args, kwargs)
+    if target in _LAYER_NORMS:
+        return _layer_norm(b, n, args, kwargs)
     if target in _VIEWS and args and isinstance(args[0], CNode):
         kind = _view_kind(n, args, kwargs)
         if kind == "identity":
@@ -278,6 +282,106 @@ def _cross_entropy(b, n, args, kwargs) -> CNode:
     return b.new("cross_entropy", ins, attrs, fx=n)
 
 
+_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+
+
+def _over_last_dim(shape, x: CNode) -> bool:
+    """Whether a norm's normalized_shape is x's last dim alone: `(N,)` or N in a model graph (N its
+    recorded last dim), `x.shape[-1:]` or `(x.shape[-1],)` in a traced pattern."""
+    if isinstance(shape, CNode):
+        return shape.op == "last_shape" and shape.args[0] is x
+    if isinstance(shape, (tuple, list, torch.Size)):
+        if len(shape) != 1:
+            return False
+        shape = shape[0]
+    if isinstance(shape, CNode):
+        return shape.op == "last_dim" and shape.args[0] is x
+    meta = x.meta
+    return isinstance(shape, int) and meta is not None and meta.dim() >= 1 and meta.shape[-1] == shape
+
+
+def _layer_norm(b: _Builder, n: torch.fx.Node, args, kwargs) -> CNode:
+    """F.layer_norm over the last dim -> its primitives, rounded as PyTorch rounds it: x, the weight
+    and the bias read in float32, mean and variance (biased) over the row, one rounding to the
+    output's dtype at the end. A pattern spelled in primitives and a model's nn.LayerNorm then
+    read the same. Any other normalized_shape stays opaque."""
+    bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args))
+    bound.update(kwargs)
+    x, w, bias, eps = bound.get("input"), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5)
+    eps_ok = _is_number(eps) or (isinstance(eps, CNode) and eps.op == "input")
+    if not isinstance(x, CNode) or not eps_ok or not _over_last_dim(bound.get("normalized_shape"), x):
+        return b.new("opaque:layer_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    out = n.meta.get("example_value")
+    out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
+    d = _Decomposed(b, x.meta)
+    h = d.cast(x, torch.float32)
+    centered = d.binary("sub", h, d.row_mean(h))
+    y = d.binary("mul", centered, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", centered)), eps)))
+    if isinstance(w, CNode):
+        y = d.binary("mul", y, d.cast(w, torch.float32))
+    if isinstance(bias, CNode):
+        y = d.binary("add", y, d.cast(bias, torch.float32))
+    return b.new("cast", (y, out_dtype), fx=n)
+
+
+def _is_number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+class _Decomposed:
+    """The canonical nodes of a composite op's primitives (no fx node computes them): each with its
+    example value (from the input's, in a model graph) and how to make it as an fx node, should a
+    site need it as an argument."""
+
+    def __init__(self, b: _Builder, like):
+        self.b, self.like = b, like
+
+    def _node(self, op, args, attrs, value, make) -> CNode:
+        c = CNode(op, tuple(args), tuple(attrs), None, [], name=f"{op}_decomposed", value=value, make=make)
+        self.b.nodes.append(c)
+        apply_rules(self.b.nodes, c)
+        return c
+
+    def _value(self, shape_of: CNode, dtype=None, row=False):
+        v = shape_of.meta if isinstance(shape_of, CNode) else None
+        if v is None:
+            return None
+        shape = (*v.shape[:-1], 1) if row else v.shape
+        return v.new_empty(shape, dtype=dtype or v.dtype)
+
+    def cast(self, a: CNode, dtype) -> CNode:
+        return self._node(
+            "cast", (a, dtype), (), self._value(a, dtype), lambda g, fx_of: g.call_method("to", (fx_of(a), dtype))
+        )
+
+    def row_mean(self, a: CNode) -> CNode:
+        return self._node(
+            "mean",
+            (a,),
+            (("dims", (-1,)), ("keepdim", True)),
+            self._value(a, row=True),
+            lambda g, fx_of: g.call_method("mean", (fx_of(a), -1), {"keepdim": True}),
+        )
+
+    def unary(self, op: str, a: CNode) -> CNode:
+        fn = {"square": torch.square, "rsqrt": torch.rsqrt}[op]
+        return self._node(op, (a,), (), self._value(a), lambda g, fx_of: g.call_function(fn, (fx_of(a),)))
+
+    def binary(self, op: str, a: CNode, c) -> CNode:
+        fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}[op]
+        big = a if not isinstance(c, CNode) or a.meta is None or c.meta is None or a.meta.dim() >= c.meta.dim() else c
+        value = None
+        if isinstance(a, CNode) and a.meta is not None:
+            other = c.meta if isinstance(c, CNode) else None
+            shape = torch.broadcast_shapes(a.meta.shape, other.shape) if other is not None else a.meta.shape
+            value = big.meta.new_empty(shape, dtype=a.meta.dtype)
+
+        def make(g, fx_of):
+            return g.call_function(fn, (fx_of(a), fx_of(c) if isinstance(c, CNode) else c))
+
+        return self._node(op, (a, c), (), value, make)
+
+
 def _row_index(x: CNode, index) -> tuple | None:
     """x[index] where the index takes a slice of the leading dims and the whole last dim (a training
     loop's shift, logits[:, :-1]): the index with the Ellipsis spelled out, as a tuple of slices over
@@ -395,9 +499,49 @@ def canonicalize_pattern(spelling) -> CGraph:
                 f"not {n.attr('dims')}: a pattern does not know the rank of the tensors it will meet"
             )
     b.nodes = [n for n in b.nodes if n.op != "dtype_of"]
+    out = _shared(b, out)
     g = _finish(b, out)
     _prune_to_output(g)
     return g
+
+
+def _shared(b: _Builder, out: CNode) -> CNode:
+    """A traced pattern with each value computed once: a node with the op, options and arguments of
+    an earlier one is that one (a pattern that writes `h - mean` twice reads as one that names it).
+    Inputs and opaque ops are kept apart. -> the output, as merged."""
+    seen: dict = {}
+    same: dict = {}
+
+    def key_of(a):
+        if isinstance(a, CNode):
+            return ("node", id(same.get(a, a)))
+        if isinstance(a, DtypeOf):
+            return ("dtype_of", id(same.get(a.node, a.node)))
+        if isinstance(a, tuple):
+            return tuple(key_of(x) for x in a)
+        return (type(a).__name__, a)
+
+    def sub(a):
+        if isinstance(a, CNode):
+            return same.get(a, a)
+        if isinstance(a, DtypeOf):
+            return DtypeOf(same.get(a.node, a.node))
+        if isinstance(a, tuple):
+            return tuple(sub(x) for x in a)
+        return a
+
+    kept = []
+    for n in b.nodes:
+        n.args = sub(n.args)
+        if n.op != "input" and not n.op.startswith("opaque"):
+            key = (n.op, key_of(n.args), n.attrs)
+            if key in seen:
+                same[n] = seen[key]
+                continue
+            seen[key] = n
+        kept.append(n)
+    b.nodes = kept
+    return same.get(out, out)
 
 
 def _prune_to_output(g: CGraph) -> None:

@@ -15,16 +15,19 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..kernels.fallback import warn_once
 from ..options import Options
-from ..patterns import REGISTRY, Spelling
+from ..patterns import REGISTRY, Registry, Spelling
 from . import attention, ddp, lowering
 from .pipeline import graft
 from .report import RewriteReport
 
 
 def resolve_patterns(patterns) -> list:
-    """None -> every registered spelling; names and Spelling objects -> those."""
+    """None -> every registered spelling; a Registry -> its spellings; names and Spelling objects
+    -> those."""
     if patterns is None:
         return REGISTRY.spellings()
+    if isinstance(patterns, Registry):
+        return patterns.spellings()
     if isinstance(patterns, (str, Spelling)):
         patterns = [patterns]
     out = []

@@ -26,9 +26,10 @@ class _State:
     tensors: dict  # pattern arg name -> model CNode
     scalars: dict  # pattern arg name -> number
     dtypes: tuple = ()  # deferred (pattern arg name, dtype) checks
+    twins: tuple = ()  # model nodes that compute again a value the pattern computes once
 
     def bind(self, **kw) -> _State:
-        st = _State(dict(self.pmap), dict(self.tensors), dict(self.scalars), self.dtypes)
+        st = _State(dict(self.pmap), dict(self.tensors), dict(self.scalars), self.dtypes, self.twins)
         for k, v in kw.items():
             if k == "node":
                 st.pmap[v[0]] = v[1]
@@ -38,7 +39,38 @@ class _State:
                 st.scalars[v[0]] = v[1]
             elif k == "dtype":
                 st.dtypes = st.dtypes + (v,)
+            elif k == "twins":
+                st.twins = st.twins + tuple(v)
         return st
+
+    def covered(self) -> set:
+        """The fx nodes the matched model nodes (and their twins) stand for."""
+        out = set()
+        for mn in (*self.pmap.values(), *self.twins):
+            out.update(mn.cover)
+        return out
+
+
+def twins(a, b) -> list | None:
+    """The nodes of b's computation that repeat a's (the same op, options and arguments, down to
+    shared nodes): a model that writes `h - mean` twice computes one value twice. None where the
+    two differ. Opaque ops and inputs are never twins (an opaque op may not be pure)."""
+    if a is b:
+        return []
+    if not (isinstance(a, CNode) and isinstance(b, CNode)):
+        same = type(a) is type(b) and a == b if not isinstance(a, (CNode, DtypeOf)) else False
+        return [] if same else None
+    if a.op != b.op or a.attrs != b.attrs or len(a.args) != len(b.args):
+        return None
+    if a.op == "input" or a.op.startswith("opaque") or a.fx is None or b.fx is None:
+        return None
+    out = [b]
+    for x, y in zip(a.args, b.args):
+        sub = twins(x, y)
+        if sub is None:
+            return None
+        out += sub
+    return out
 
 
 @dataclass
@@ -149,8 +181,9 @@ class Matcher:
             self._fail(st, p, m, f"expected {describe(p)}, got {describe(m)}")
             return
         if p in st.pmap:
-            if st.pmap[p] is m:
-                yield st
+            again = twins(st.pmap[p], m)
+            if again is not None:
+                yield st.bind(twins=again) if again else st
             else:
                 self._fail(
                     st,
@@ -183,9 +216,7 @@ class Matcher:
         for st in self.unify(self.pg.output, anchor, _State({}, {}, {})):
             why = self._check(st, anchor, taken)
             if why is None:
-                covered = set()
-                for mn in st.pmap.values():
-                    covered.update(mn.cover)
+                covered = st.covered()
                 withheld = [
                     f for f in covered if f is not anchor.fx and any(u.op == "output" for u in f.users)
                 ]
@@ -199,12 +230,10 @@ class Matcher:
             if meta is None or meta.dtype != dt:
                 got = "unknown" if meta is None else meta.dtype
                 return f"the pattern casts to the dtype of `{name}` ({got}) but the model casts to {dt}"
-        covered = set()
-        for mn in st.pmap.values():
-            covered.update(mn.cover)
+        covered = st.covered()
         if covered & taken:
             return "overlaps a site already replaced"
-        for mn in st.pmap.values():
+        for mn in (*st.pmap.values(), *st.twins):
             if mn is anchor:
                 continue
             for fxn in mn.cover:

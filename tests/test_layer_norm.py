@@ -1,0 +1,107 @@
+"""LayerNorm (patterns/layer_norm.py). `F.layer_norm` / `nn.LayerNorm` is read as its primitives in
+models and patterns alike, so a LayerNorm written either way matches a model written either way:
+GPT-NeoX's nn.LayerNorm and Cohere's hand-written float32 LayerNorm are served, loss and every
+gradient by the accuracy rule; a contributor's own three-line pattern, spelled in primitives or as
+F.layer_norm, serves GPT-NeoX with no other change."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+from kernelgraft import Scalar
+from kernelgraft.patterns import Registry
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+def layer_norm_calls(model, b) -> int:
+    """How many LayerNorm modules the model calls on batch b (hooks, eager): what kernelgraft should
+    serve, counted from the model itself."""
+    calls = []
+    hooks = [
+        m.register_forward_hook(lambda *a: calls.append(1))
+        for m in model.modules()
+        if type(m).__name__.endswith("LayerNorm")
+    ]
+    with torch.no_grad():
+        model(**b)
+    for h in hooks:
+        h.remove()
+    return len(calls)
+
+
+def _judged(grafted, stock, b):
+    # over four batches: a bias gradient (one sum over 24 tokens) is then a statistic of the
+    # rounding, not one draw of it; against eager alone (stricter than max(eager, compile))
+    verdicts = compare_models(grafted, stock, [batch(seed=1 + i) for i in range(4)], compiled=False)
+    assert len(verdicts) == 1 + sum(1 for _ in stock.parameters())
+    return [str(v) for v in verdicts if not v.ok]
+
+
+@DTYPES
+@pytest.mark.parametrize("arch", ["gpt_neox", "cohere"])
+def test_layer_norm_models_are_served_by_the_rule(arch, dtype):
+    stock = tiny_model(arch, dtype)
+    b = batch()
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    bad = _judged(grafted, stock, b)
+    assert not bad, "\n".join(bad)
+    counts = grafted.kernelgraft_report.counts()
+    assert counts["layer_norm"] == layer_norm_calls(stock, b) > 0, counts
+    spellings = {s.spelling for s in grafted.kernelgraft_report.sites if s.pattern == "layer_norm"}
+    assert spellings == ({"affine"} if arch == "gpt_neox" else {"weight_only"})
+
+
+def _contributors_layer_norm(spelled: str, registry: Registry):
+    if spelled == "primitives":
+
+        @kernelgraft.pattern("my_layer_norm", registry=registry)
+        def my_layer_norm(x, weight, bias, eps: Scalar):
+            h = x.float()
+            d = h - h.mean(-1, keepdim=True)
+            return (
+                d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + eps) * weight.float() + bias.float()
+            ).to(x.dtype)
+
+    else:
+
+        @kernelgraft.pattern("my_layer_norm", registry=registry)
+        def my_layer_norm(x, weight, bias, eps: Scalar):
+            return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+    return my_layer_norm
+
+
+@DTYPES
+@pytest.mark.parametrize("spelled", ["primitives", "F.layer_norm"])
+def test_a_contributors_layer_norm_serves_gpt_neox(spelled, dtype):
+    registry = Registry()
+    sp = _contributors_layer_norm(spelled, registry)
+    stock = tiny_model("gpt_neox", dtype)
+    b = batch()
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", patterns=registry)
+    bad = _judged(grafted, stock, b)
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts() == {"my_layer_norm": layer_norm_calls(stock, b)}
+    # both spellings are one canonical graph: the same kernel
+    other = _contributors_layer_norm("F.layer_norm" if spelled == "primitives" else "primitives", Registry())
+    assert sp.canonical().text() == other.canonical().text()
+
+
+def test_a_norm_over_more_than_the_last_dim_stays_stock_code():
+    class TwoDims(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm((4, 8))
+
+        def forward(self, x):
+            return self.norm(x).sum()
+
+    rep = kernelgraft.explain(TwoDims(), torch.randn(3, 4, 8))
+    assert "layer_norm" not in rep.counts()

@@ -71,8 +71,12 @@ def test_patterns_argument_selects_and_validates():
     model = tiny_model("llama")
     rep = kernelgraft.explain(model, patterns=[], **batch())
     assert rep.counts() == {}
-    with pytest.raises(KeyError, match="no pattern named 'layer_norm'"):
-        kernelgraft.optimize(copy.deepcopy(model), patterns=["layer_norm"])
+    with pytest.raises(KeyError, match="no pattern named 'group_norm'"):
+        kernelgraft.optimize(copy.deepcopy(model), patterns=["group_norm"])
+    only_rope = kernelgraft.patterns.Registry()
+    for sp in kernelgraft.patterns.REGISTRY.spellings(["rope"]):
+        only_rope.add(sp)
+    assert set(kernelgraft.explain(model, patterns=only_rope, **batch()).counts()) == {"rope"}
 
 
 def test_bad_arguments_are_explained():

@@ -13,6 +13,20 @@ from kernelgraft.patterns import REGISTRY
 SPELLINGS = REGISTRY.spellings()
 
 
+def served_dtypes(sp) -> tuple:
+    """The dtypes the spelling's own check serves (its example at each dtype, through extra_check):
+    a spelling that refuses a dtype is a fallback there, checked in tests of its own."""
+    from kernelgraft.patterns import Site
+
+    out = []
+    for dt in strategies.DTYPES:
+        args = sp.example_args(4, 8, dt, 0)
+        tensors = {n: v for n, v in zip(sp.arg_names, args) if isinstance(v, torch.Tensor)}
+        if sp.extra_check is None or sp.extra_check(Site(sp.pattern, sp.name, tensors, {})) is None:
+            out.append(dt)
+    return tuple(out)
+
+
 def dtypes_for(sp):
     """bf16/fp16 logits handed straight to cross_entropy (a plain loop) round inside PyTorch's loss in
     ways the kernel does not copy; its logit gradient is the correctly rounded one instead, which
@@ -22,7 +36,7 @@ def dtypes_for(sp):
         and transform(sp, torch.bfloat16, "autograd").out_dtype != torch.float32
     ):
         return (torch.float32,)
-    return strategies.DTYPES
+    return served_dtypes(sp)
 
 
 @pytest.mark.parametrize("sp", SPELLINGS, ids=[s.qualname for s in SPELLINGS])
@@ -38,7 +52,14 @@ def test_every_spelling(sp):
     check()
 
 
-ROW_SPELLINGS = [s for s in SPELLINGS if s.kernel == "row"]
+# the upcast path is a question for the spellings served in bf16 and fp16
+ROW_SPELLINGS = [s for s in SPELLINGS if s.kernel == "row" and torch.bfloat16 in served_dtypes(s)]
+
+
+def test_a_spelling_that_refuses_a_dtype_is_not_drawn_in_it():
+    no_cast = REGISTRY.get("rms_norm", "no_cast")
+    assert served_dtypes(no_cast) == (torch.float32,)
+    assert no_cast not in ROW_SPELLINGS and REGISTRY.get("rms_norm", "llama") in ROW_SPELLINGS
 
 
 @pytest.mark.parametrize("sp", ROW_SPELLINGS, ids=[s.qualname for s in ROW_SPELLINGS])

@@ -105,3 +105,11 @@ def test_a_norm_over_more_than_the_last_dim_stays_stock_code():
 
     rep = kernelgraft.explain(TwoDims(), torch.randn(3, 4, 8))
     assert "layer_norm" not in rep.counts()
+
+
+def test_a_pattern_that_can_never_match_is_refused_where_it_is_written():
+    with pytest.raises(TypeError, match=r"calls group_norm, which canonicalization does not read as math"):
+
+        @kernelgraft.pattern("my_group_norm", registry=Registry())
+        def my_group_norm(x, weight, bias, eps: Scalar):
+            return F.group_norm(x, 4, weight, bias, eps)

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .decompose import LAYER_NORMS, layer_norm
 from .graph import CGraph, CNode, DtypeOf
+from .indexing import VIEWS, half_of, pairs_of, row_index, view_kind
 from .primitives import PRIMITIVES
 from .rules import apply_rules
 
@@ -56,29 +58,6 @@ def _rank(node: CNode | Any):
         return node.dim()
     m = node.meta if isinstance(node, CNode) else None
     return m.dim() if m is not None else None
-
-
-def _half_of(b, n, x: CNode, index) -> CNode | None:
-    """x[..., :D/2] or x[..., D/2:] -> half(x, part). D/2 is `x.shape[-1] // 2` in a pattern and a
-    number in a model graph, checked against the recorded last dim."""
-    if not (
-        isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
-    ):
-        return None
-    s = index[1]
-    if s.step not in (None, 1):
-        return None
-    bound, part = (s.stop, 0) if s.start in (None, 0) else (s.start, 1)
-    if isinstance(bound, torch.fx.Node):
-        bound = b.of_fx.get(bound)
-    if part == 1 and s.stop is not None:
-        return None
-    if isinstance(bound, CNode):
-        ok = bound.op == "half_dim" and bound.args[0] is x
-    else:
-        meta = x.meta
-        ok = isinstance(bound, int) and meta is not None and meta.shape[-1] == 2 * bound
-    return b.new("half", (x,), (("part", part),), fx=n) if ok else None
 
 
 class _Builder:
@@ -124,16 +103,19 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
     if target is getattr and len(args) == 2 and args[1] == "shape":  # x.shape in a traced pattern
         return b.new("shape_of", (args[0],), fx=n)
     if target is operator.getitem and isinstance(args[0], CNode):
-        half = _half_of(b, n, args[0], args[1])
+        half = half_of(b, n, args[0], args[1])
         if half is not None:
             return half
+        pairs = pairs_of(b, n, args[0], args[1])
+        if pairs is not None:
+            return pairs
         if args[0].op == "shape_of" and args[1] == -1:
             return b.new("last_dim", (args[0].args[0],), fx=n)
         if args[0].op == "shape_of" and args[1] == slice(-1, None, None):  # x.shape[-1:]
             return b.new("last_shape", (args[0].args[0],), fx=n)
         if args[0].op == "chunk2" and args[1] in (0, 1):
             return b.new("half", (args[0].args[0],), (("part", args[1]),), fx=n)
-        rows = _row_index(args[0], args[1])
+        rows = row_index(args[0], args[1])
         if rows is not None:
             return b.new("row_slice", (args[0],), (("index", rows),), fx=n)
     if (
@@ -143,6 +125,26 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         and args[1] == 2
     ):
         return b.new("half_dim", (args[0].args[0],), fx=n)
+    if target is torch.stack and len(args[0] if args else ()) == 2:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        out = n.meta.get("example_value")
+        if dim == -1 or (isinstance(out, torch.Tensor) and dim == out.dim() - 1):
+            return b.new("stack2", tuple(args[0]), fx=n)
+    if (
+        target in ("flatten", torch.flatten)
+        and args
+        and isinstance(args[0], CNode)
+        and args[0].op == "stack2"
+    ):
+        start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
+        end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
+        meta = args[0].meta
+        last_two = start == -2 or (meta is not None and start == meta.dim() - 2)
+        if last_two and end in (-1, None) or (meta is not None and last_two and end == meta.dim() - 1):
+            stacked = args[0]
+            node = b.new("interleave2", stacked.args, fx=n)
+            node.cover.extend(stacked.cover)  # the stack is part of what the interleave stands for
+            return node
     if target in (torch.cat, torch.concat) and len(args[0] if args else ()) == 2:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if dim == -1 or (dim is not None and _rank(n.meta.get("example_value")) == dim + 1):
@@ -160,10 +162,10 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return b.new("linear", tuple(_autocast_inputs(b, n, args[:2])), fx=n)
     if target is F.cross_entropy:
         return _cross_entropy(b, n, args, kwargs)
-    if target in _LAYER_NORMS:
-        return _layer_norm(b, n, args, kwargs)
-    if target in _VIEWS and args and isinstance(args[0], CNode):
-        kind = _view_kind(n, args, kwargs)
+    if target in LAYER_NORMS:
+        return layer_norm(b, n, args, kwargs)
+    if target in VIEWS and args and isinstance(args[0], CNode):
+        kind = view_kind(n, args, kwargs)
         if kind == "identity":
             return b.alias(n, args[0])
         if kind == "rows":  # the leading dims merged, the rows unchanged (one form however spelled)
@@ -214,7 +216,16 @@ def _autocast_inputs(b: _Builder, n: torch.fx.Node, args) -> list:
         def make(graph, fx_of, a=a, dt=out.dtype):
             return graph.call_method("to", (fx_of(a), dt))
 
-        c = CNode("cast", (a, out.dtype), (), None, [], name=f"{a.name}_autocast", value=meta.to(out.dtype), make=make)
+        c = CNode(
+            "cast",
+            (a, out.dtype),
+            (),
+            None,
+            [],
+            name=f"{a.name}_autocast",
+            value=meta.to(out.dtype),
+            make=make,
+        )
         b.nodes.append(c)
         res.append(c)
     return res
@@ -276,159 +287,12 @@ def _cross_entropy(b, n, args, kwargs) -> CNode:
     x = n.args[0] if n.args else n.kwargs.get("input")
     meta = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
     src = b.of_fx.get(x) if isinstance(x, torch.fx.Node) else None
-    rows = (isinstance(src, CNode) and src.op == "flatten_rows") or (isinstance(meta, torch.Tensor) and meta.dim() <= 2)
+    rows = (isinstance(src, CNode) and src.op == "flatten_rows") or (
+        isinstance(meta, torch.Tensor) and meta.dim() <= 2
+    )
     attrs += (("rows", rows),)
     ins = (bound.get("input"), bound.get("target"), bound.get("ignore_index", -100))
     return b.new("cross_entropy", ins, attrs, fx=n)
-
-
-_LAYER_NORMS = (F.layer_norm, torch.layer_norm)
-
-
-def _over_last_dim(shape, x: CNode) -> bool:
-    """Whether a norm's normalized_shape is x's last dim alone: `(N,)` or N in a model graph (N its
-    recorded last dim), `x.shape[-1:]` or `(x.shape[-1],)` in a traced pattern."""
-    if isinstance(shape, CNode):
-        return shape.op == "last_shape" and shape.args[0] is x
-    if isinstance(shape, (tuple, list, torch.Size)):
-        if len(shape) != 1:
-            return False
-        shape = shape[0]
-    if isinstance(shape, CNode):
-        return shape.op == "last_dim" and shape.args[0] is x
-    meta = x.meta
-    return isinstance(shape, int) and meta is not None and meta.dim() >= 1 and meta.shape[-1] == shape
-
-
-def _layer_norm(b: _Builder, n: torch.fx.Node, args, kwargs) -> CNode:
-    """F.layer_norm over the last dim -> its primitives, rounded as PyTorch rounds it: x, the weight
-    and the bias read in float32, mean and variance (biased) over the row, one rounding to the
-    output's dtype at the end. A pattern spelled in primitives and a model's nn.LayerNorm then
-    read the same. Any other normalized_shape stays opaque."""
-    bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args))
-    bound.update(kwargs)
-    x, w, bias, eps = bound.get("input"), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5)
-    eps_ok = _is_number(eps) or (isinstance(eps, CNode) and eps.op == "input")
-    if not isinstance(x, CNode) or not eps_ok or not _over_last_dim(bound.get("normalized_shape"), x):
-        return b.new("opaque:layer_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
-    out = n.meta.get("example_value")
-    out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
-    d = _Decomposed(b, x.meta)
-    h = d.cast(x, torch.float32)
-    centered = d.binary("sub", h, d.row_mean(h))
-    y = d.binary("mul", centered, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", centered)), eps)))
-    if isinstance(w, CNode):
-        y = d.binary("mul", y, d.cast(w, torch.float32))
-    if isinstance(bias, CNode):
-        y = d.binary("add", y, d.cast(bias, torch.float32))
-    return b.new("cast", (y, out_dtype), fx=n)
-
-
-def _is_number(a) -> bool:
-    return isinstance(a, (int, float)) and not isinstance(a, bool)
-
-
-class _Decomposed:
-    """The canonical nodes of a composite op's primitives (no fx node computes them): each with its
-    example value (from the input's, in a model graph) and how to make it as an fx node, should a
-    site need it as an argument."""
-
-    def __init__(self, b: _Builder, like):
-        self.b, self.like = b, like
-
-    def _node(self, op, args, attrs, value, make) -> CNode:
-        c = CNode(op, tuple(args), tuple(attrs), None, [], name=f"{op}_decomposed", value=value, make=make)
-        self.b.nodes.append(c)
-        apply_rules(self.b.nodes, c)
-        return c
-
-    def _value(self, shape_of: CNode, dtype=None, row=False):
-        v = shape_of.meta if isinstance(shape_of, CNode) else None
-        if v is None:
-            return None
-        shape = (*v.shape[:-1], 1) if row else v.shape
-        return v.new_empty(shape, dtype=dtype or v.dtype)
-
-    def cast(self, a: CNode, dtype) -> CNode:
-        return self._node(
-            "cast", (a, dtype), (), self._value(a, dtype), lambda g, fx_of: g.call_method("to", (fx_of(a), dtype))
-        )
-
-    def row_mean(self, a: CNode) -> CNode:
-        return self._node(
-            "mean",
-            (a,),
-            (("dims", (-1,)), ("keepdim", True)),
-            self._value(a, row=True),
-            lambda g, fx_of: g.call_method("mean", (fx_of(a), -1), {"keepdim": True}),
-        )
-
-    def unary(self, op: str, a: CNode) -> CNode:
-        fn = {"square": torch.square, "rsqrt": torch.rsqrt}[op]
-        return self._node(op, (a,), (), self._value(a), lambda g, fx_of: g.call_function(fn, (fx_of(a),)))
-
-    def binary(self, op: str, a: CNode, c) -> CNode:
-        fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}[op]
-        big = a if not isinstance(c, CNode) or a.meta is None or c.meta is None or a.meta.dim() >= c.meta.dim() else c
-        value = None
-        if isinstance(a, CNode) and a.meta is not None:
-            other = c.meta if isinstance(c, CNode) else None
-            shape = torch.broadcast_shapes(a.meta.shape, other.shape) if other is not None else a.meta.shape
-            value = big.meta.new_empty(shape, dtype=a.meta.dtype)
-
-        def make(g, fx_of):
-            return g.call_function(fn, (fx_of(a), fx_of(c) if isinstance(c, CNode) else c))
-
-        return self._node(op, (a, c), (), value, make)
-
-
-def _row_index(x: CNode, index) -> tuple | None:
-    """x[index] where the index takes a slice of the leading dims and the whole last dim (a training
-    loop's shift, logits[:, :-1]): the index with the Ellipsis spelled out, as a tuple of slices over
-    all but the last dim; None for any other index."""
-    meta = x.meta
-    if not isinstance(meta, torch.Tensor) or meta.dim() < 2:
-        return None
-    index = index if isinstance(index, tuple) else (index,)
-    if sum(i is Ellipsis for i in index) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
-        return None
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (meta.dim() - len(index) + 1) + index[at + 1 :]
-    index = index + (slice(None),) * (meta.dim() - len(index))
-    bounds_ok = all(isinstance(v, int) or v is None for s in index for v in (s.start, s.stop, s.step))
-    if len(index) != meta.dim() or index[-1] != slice(None) or not bounds_ok:
-        return None
-    lead = index[:-1]
-    return None if all(s == slice(None) for s in lead) else lead
-
-
-_VIEWS = frozenset({"view", "reshape", torch.reshape, "flatten", torch.flatten})
-
-
-def _view_kind(n: torch.fx.Node, args, kwargs) -> str | None:
-    """The view algebra: "identity" (the same shape), "rows" (the leading dims merged into one, the
-    last dim kept: a row-wise op sees the same rows), or None (any other view, kept as it is).
-    x.view(-1, x.shape[-1]) in a traced pattern is rows; in a model graph the shapes dynamo
-    recorded decide, however the view is spelled (view, reshape, flatten, -1 or sizes)."""
-    x = args[0]
-    if n.target in ("flatten", torch.flatten):
-        if len(args) > 1 and isinstance(args[1], CNode) or any(isinstance(v, CNode) for v in kwargs.values()):
-            return None
-    else:
-        shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-        if len(shape) == 2 and shape[0] == -1 and isinstance(shape[1], CNode):  # a traced pattern
-            return "rows" if shape[1].op == "last_dim" and shape[1].args[0] is x else None
-        if any(isinstance(d, CNode) for d in shape):
-            return None
-    src, out = x.meta, n.meta.get("example_value")
-    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return None
-    if tuple(out.shape) == tuple(src.shape):
-        return "identity"
-    if src.dim() >= 2 and out.dim() == 2 and out.shape[-1] == src.shape[-1]:
-        return "rows"
-    return None
 
 
 def _finish(b: _Builder, output) -> CGraph:

@@ -37,6 +37,10 @@ RULES: list[tuple[str, Any]] = [
         "cat2",
         lambda a, b: ("rotate_half", (b.args[0],)) if _rotates(a, b) else None,
     ),  # cat(-x2, x1) -> rotate_half(x)
+    (
+        "interleave2",
+        lambda a, b: ("rotate_pairs", (b.args[0],)) if _rotates_pairs(a, b) else None,
+    ),  # stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) -> rotate_pairs(x)
     ("row_slice", lambda z: _sliced_linear(z)),  # linear(h, W)[rows] -> linear(h[rows], W)
 ]
 
@@ -86,6 +90,19 @@ def _rotates(a, b) -> bool:
         and _is(a.args[0], "half")
         and a.args[0].attr("part") == 1
         and _is(b, "half")
+        and b.attr("part") == 0
+        and a.args[0].args[0] is b.args[0]
+    )
+
+
+def _rotates_pairs(a, b) -> bool:
+    """interleave(-x[..., 1::2], x[..., ::2]): each (even, odd) pair of one tensor rotated, the odd
+    one negated."""
+    return (
+        _is(a, "neg")
+        and _is(a.args[0], "pairs")
+        and a.args[0].attr("part") == 1
+        and _is(b, "pairs")
         and b.attr("part") == 0
         and a.args[0].args[0] is b.args[0]
     )
@@ -153,5 +170,3 @@ def _upstream(args) -> set:
             seen.add(id(d))
             stack.extend(d.inputs())
     return seen
-
-

@@ -58,11 +58,16 @@ class Spec:
     symbols: dict[str, sympy.Symbol] = field(default_factory=dict)
     nodes: list[SNode] = field(default_factory=list)  # topological order, output last
     rounding: str = "autograd"
+    rotation: str = "half"  # the permutation `permuted` symbols are read at: "half" or "pairs"
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
 
 
-SGN = sympy.Symbol("sgn")  # -1 in the first half of a row, +1 in the second: rotate_half's sign
+# the sign of a rotated read: rotate_half's (-1 in the first half of a row, +1 in the second) or
+# rotate_pairs' (-1 at even columns, +1 at odd); either way the column read is read back, with the
+# opposite sign, from the column it was read at
+SGN = sympy.Symbol("sgn")
+ROTATIONS = {"rotate_half": "half", "rotate_pairs": "pairs"}
 
 
 def permuted(sym: sympy.Symbol) -> sympy.Symbol:
@@ -104,6 +109,7 @@ def build_spec(
         if dt not in SERVED:
             raise Unsupported(f"{n} is {dt}; kernels serve {', '.join(map(str, SERVED))}")
     val: dict = {}  # CNode -> SNode
+    rotation = None
     reductions: list[Reduction] = []
     symbols: dict[str, sympy.Symbol] = {}
     nodes: list[SNode] = []
@@ -157,12 +163,13 @@ def build_spec(
                 rounded(x.value, target, explicit=True), target, x.level, (x,), lambda a: a, name=n.name
             )
             continue
-        if n.op == "rotate_half":  # exact (a sign and a permutation): no rounding
+        if n.op in ROTATIONS:  # exact (a sign and a permutation): no rounding
             x = arg(n.args[0])
             if x.inputs or x.level not in ("elem", "col"):
-                raise Unsupported(
-                    "rotate_half of a computed value: kernels permute tensors as they load them"
-                )
+                raise Unsupported(f"{n.op} of a computed value: kernels permute tensors as they load them")
+            if rotation not in (None, ROTATIONS[n.op]):
+                raise Unsupported("the pattern rotates both halves and pairs: kernels read one permutation")
+            rotation = ROTATIONS[n.op]
             val[n] = SNode(SGN * permuted(x.value), x.dtype, x.level, (x,), None, name=n.name, permuted=True)
             nodes.append(val[n])
             continue
@@ -215,4 +222,5 @@ def build_spec(
         symbols,
         nodes,
         rounding,
+        rotation or "half",
     )

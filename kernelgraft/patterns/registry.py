@@ -203,7 +203,16 @@ def pattern(
             example,
             recompute,
         )
-        sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
+        g = sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
+        opaque = sorted({n.op.removeprefix("opaque:") for n in g.nodes if n.op.startswith("opaque")})
+        if opaque:
+            raise TypeError(
+                f"kernelgraft.pattern({name!r}): {fn.__name__} calls {', '.join(opaque)}, which canonicalization "
+                "does not read as math: no kernel can be derived from it and no model would be served. Write "
+                "it with the element-wise primitives and row reductions (kernelgraft.ir.PRIMITIVES), casts, "
+                "x[..., :h] / x[..., h:] / x[..., ::2] / x[..., 1::2], torch.cat, torch.stack(...).flatten(-2), "
+                "F.layer_norm, F.linear and F.cross_entropy."
+            )
         (registry or REGISTRY).add(sp)
         return sp
 

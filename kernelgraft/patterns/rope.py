@@ -1,9 +1,14 @@
-"""Rotary position embedding, rotate-half form, as Hugging Face decoders spell it:
+"""Rotary position embedding, as Hugging Face decoders spell it:
 
     q * cos + rotate_half(q) * sin,  rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
 
+or with the pairs of adjacent columns rotated (GPT-J, GLM, Cohere, DeepSeek-V3...), cos and sin
+repeated per pair:
+
+    q * cos + rotate_pairs(q) * sin,  rotate_pairs(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
 cos and sin arrive unsqueezed on the head dim and already cast to the activation dtype (HF computes
-them in float32 and casts), so the products round like the spelling. rotate_half is a permutation
+them in float32 and casts), so the products round like the spelling. Either rotation is a permutation
 within the row with a sign; the generator reads the input at the rotated column and derives the
 adjoint, a rotation the other way (by -theta). One site per tensor: q and k are matched separately.
 """
@@ -26,4 +31,28 @@ def _example(rows, n, dtype, g):
 def rope_rotate_half(x, cos, sin):
     h = x.shape[-1] // 2
     rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _example_pairs(rows, n, dtype, g):
+    """As _example, with each angle repeated for the two columns of its pair."""
+    heads, n = 4, n + n % 2
+    S = max(1, rows // heads)
+    q = torch.randn(1, S, heads, n, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    ang = torch.randn(1, S, n // 2, generator=g).repeat_interleave(2, dim=-1)
+    return {"x": q, "cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+
+
+def _pairs_check(site) -> str | None:
+    x = site.tensors.get("x")
+    if x is not None and x.dim() and x.shape[-1] % 2:
+        return f"the rotated dim has {x.shape[-1]} columns: pairs need an even count"
+    return dtype_check(site)
+
+
+@pattern("rope", spelling="interleaved", extra_check=_pairs_check, example=_example_pairs)
+def rope_interleaved(x, cos, sin):
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    rotated = torch.stack((-x2, x1), dim=-1).flatten(-2)
     return x * cos + rotated * sin

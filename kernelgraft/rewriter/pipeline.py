@@ -69,7 +69,9 @@ def match_and_replace(g: Graft) -> None:
         matcher = Matcher(sp, pg, allow_withhold=not g.options.keep_logits)
         out = pg.output
         for anchor in [n for n in g.canonical.nodes if n.op == out.op]:
-            if anchor.fx in g.taken:
+            # a value no fx node computes (a primitive of a composite op such as F.layer_norm) is
+            # not a site's output: the site would have no node to replace
+            if anchor.fx is None or anchor.fx in g.taken:
                 continue
             if anchor.attrs != out.attrs:  # other options of the op: reported as a near miss, not matched
                 why = f"expected {describe(out)}, got {describe(anchor)}"

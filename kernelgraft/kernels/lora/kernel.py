@@ -33,6 +33,7 @@ import torch
 from .. import emit
 from ..cache import load_module
 from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, register_kernels, tracing
+from ..rows import tuning as row_tuning
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
 
@@ -223,9 +224,7 @@ def _splits(T: int, blocks: int, BT: int, device: torch.device) -> tuple[int, in
     the interpreter runs the same two-stage sum."""
     tiles = cdiv(max(T, 1), BT)
     if device.type == "cuda":
-        from ..rows.tuning import sm_count
-
-        want = cdiv(2 * sm_count(device.index), blocks)
+        want = cdiv(2 * row_tuning.sm_count(device.index), blocks)
     else:
         want = 2
     n = max(1, min(want, tiles // 4 if device.type == "cuda" else tiles))

@@ -53,10 +53,16 @@ def _col_vars(spec: Spec, needed: set) -> list[str]:
     return [v for t in _cols(spec) for v in (t, f"{t}__p") if v == t or v in needed]
 
 
-def _rotation(indent: str, needed: set) -> list[str]:
-    """rotate_half's column map and sign, when a spelling rotates."""
+def _rotation(indent: str, needed: set, rotation: str = "half") -> list[str]:
+    """The rotated read's column map and sign, when a spelling rotates: rotate_half's (the other
+    half of the row) or rotate_pairs' (the other column of each (even, odd) pair)."""
     if not any(n.endswith("__p") or n == "sgn" for n in needed):
         return []
+    if rotation == "pairs":
+        return [
+            f"{indent}pcols = cols + 1 - 2 * (cols % 2)",
+            f"{indent}sgn = tl.where(cols % 2 == 0, -1.0, 1.0)",
+        ]
     return [f"{indent}pcols = (cols + N // 2) % N", f"{indent}sgn = tl.where(cols < N // 2, -1.0, 1.0)"]
 
 
@@ -111,7 +117,7 @@ def _entry_head(spec: Spec, needed: set) -> list[str]:
         f"{IND}cols = cols1[None, :]",
         f"{IND}cmask = cols < N",
     ]
-    L += _rotation(IND, needed)
+    L += _rotation(IND, needed, spec.rotation)
     L += _col_loads(spec, IND, needed)
     return L
 
@@ -137,7 +143,7 @@ def _fwd_block(spec: Spec, needed: set) -> list[str]:
     )
     L = ["@triton.jit", f"def {spec.name}_fwd_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
-    L += _rotation(IND, needed)
+    L += _rotation(IND, needed, spec.rotation)
     L += _row_index(IND)
     L += _elem_loads(spec, _elems(spec), IND, needed)
     wide = in_float64(spec)
@@ -265,7 +271,7 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     )
     L = ["@triton.jit", f"def {spec.name}_{'bwdo' if with_out else 'bwd'}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
-    L += _rotation(IND, needed)
+    L += _rotation(IND, needed, spec.rotation)
     L += _row_index(IND)
     L.append(f"{IND}g_o = {_offset('g')}")
     L.append(f"{IND}g = tl.load(g_ptr + g_o + cols * g_sc, mask=mask, other=0.0).to(tl.float32)")

@@ -1,0 +1,125 @@
+"""Composite ops read as their primitives: a model that calls `F.layer_norm` (or `nn.LayerNorm`)
+and a pattern that writes LayerNorm out in primitives, or calls `F.layer_norm` itself, canonicalize
+to the same nodes, rounded as PyTorch rounds the composite. The primitives' nodes stand for no fx
+node (the composite's last one stands for its call); each carries its example value and how to
+make it as an fx node, should a site need it as an argument.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from .graph import CNode, DtypeOf
+from .rules import apply_rules
+
+LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+
+
+def _over_last_dim(shape, x: CNode) -> bool:
+    """Whether a norm's normalized_shape is x's last dim alone: `(N,)` or N in a model graph (N its
+    recorded last dim), `x.shape[-1:]` or `(x.shape[-1],)` in a traced pattern."""
+    if isinstance(shape, CNode):
+        return shape.op == "last_shape" and shape.args[0] is x
+    if isinstance(shape, (tuple, list, torch.Size)):
+        if len(shape) != 1:
+            return False
+        shape = shape[0]
+    if isinstance(shape, CNode):
+        return shape.op == "last_dim" and shape.args[0] is x
+    meta = x.meta
+    return isinstance(shape, int) and meta is not None and meta.dim() >= 1 and meta.shape[-1] == shape
+
+
+def layer_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
+    """F.layer_norm over the last dim -> its primitives, rounded as PyTorch rounds it: x, the weight
+    and the bias read in float32, mean and variance (biased) over the row, one rounding to the
+    output's dtype at the end. A pattern spelled in primitives and a model's nn.LayerNorm then
+    read the same. Any other normalized_shape stays opaque."""
+    bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args))
+    bound.update(kwargs)
+    x, w, bias, eps = bound.get("input"), bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5)
+    eps_ok = _is_number(eps) or (isinstance(eps, CNode) and eps.op == "input")
+    if not isinstance(x, CNode) or not eps_ok or not _over_last_dim(bound.get("normalized_shape"), x):
+        return b.new("opaque:layer_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    out = n.meta.get("example_value")
+    out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
+    d = _Decomposed(b, x.meta)
+    h = d.cast(x, torch.float32)
+    centered = d.binary("sub", h, d.row_mean(h))
+    y = d.binary(
+        "mul", centered, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", centered)), eps))
+    )
+    if isinstance(w, CNode):
+        y = d.binary("mul", y, d.cast(w, torch.float32))
+    if isinstance(bias, CNode):
+        y = d.binary("add", y, d.cast(bias, torch.float32))
+    return b.new("cast", (y, out_dtype), fx=n)
+
+
+def _is_number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
+class _Decomposed:
+    """The canonical nodes of a composite op's primitives (no fx node computes them): each with its
+    example value (from the input's, in a model graph) and how to make it as an fx node, should a
+    site need it as an argument."""
+
+    def __init__(self, b, like):  # b: the canonicalizer's builder (its nodes, in order)
+        self.b, self.like = b, like
+
+    def _node(self, op, args, attrs, value, make) -> CNode:
+        c = CNode(op, tuple(args), tuple(attrs), None, [], name=f"{op}_decomposed", value=value, make=make)
+        self.b.nodes.append(c)
+        apply_rules(self.b.nodes, c)
+        return c
+
+    def _value(self, shape_of: CNode, dtype=None, row=False):
+        v = shape_of.meta if isinstance(shape_of, CNode) else None
+        if v is None:
+            return None
+        shape = (*v.shape[:-1], 1) if row else v.shape
+        return v.new_empty(shape, dtype=dtype or v.dtype)
+
+    def cast(self, a: CNode, dtype) -> CNode:
+        return self._node(
+            "cast",
+            (a, dtype),
+            (),
+            self._value(a, dtype),
+            lambda g, fx_of: g.call_method("to", (fx_of(a), dtype)),
+        )
+
+    def row_mean(self, a: CNode) -> CNode:
+        return self._node(
+            "mean",
+            (a,),
+            (("dims", (-1,)), ("keepdim", True)),
+            self._value(a, row=True),
+            lambda g, fx_of: g.call_method("mean", (fx_of(a), -1), {"keepdim": True}),
+        )
+
+    def unary(self, op: str, a: CNode) -> CNode:
+        fn = {"square": torch.square, "rsqrt": torch.rsqrt}[op]
+        return self._node(op, (a,), (), self._value(a), lambda g, fx_of: g.call_function(fn, (fx_of(a),)))
+
+    def binary(self, op: str, a: CNode, c) -> CNode:
+        fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}[op]
+        big = (
+            a
+            if not isinstance(c, CNode) or a.meta is None or c.meta is None or a.meta.dim() >= c.meta.dim()
+            else c
+        )
+        value = None
+        if isinstance(a, CNode) and a.meta is not None:
+            other = c.meta if isinstance(c, CNode) else None
+            shape = torch.broadcast_shapes(a.meta.shape, other.shape) if other is not None else a.meta.shape
+            value = big.meta.new_empty(shape, dtype=a.meta.dtype)
+
+        def make(g, fx_of):
+            return g.call_function(fn, (fx_of(a), fx_of(c) if isinstance(c, CNode) else c))
+
+        return self._node(op, (a, c), (), value, make)

@@ -1,0 +1,83 @@
+"""RMSNorm as hand-written code spells it: without a weight (an L2-style norm), and without the
+float32 upcast (nanoGPT-style `x * rsqrt(mean(x^2) + eps) * w`), served in a model and by the rule."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kernelgraft
+from kernelgraft.gradcheck import judge
+
+
+class WeightlessNorm(nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype)
+
+
+class NoCastNorm(nn.Module):
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, n=64):
+        super().__init__()
+        self.a, self.b = NoCastNorm(n), WeightlessNorm()
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.b(self.lin(self.a(x))).sin().mean()  # not mean(square): a norm makes that constant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hand_written_norms_are_served_by_the_rule(dtype):
+    torch.manual_seed(0)
+    stock = Block().to(dtype)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    truth = copy.deepcopy(stock).double()
+    # four batches, each quantity judged on all of them at once: the loss is one number per batch,
+    # and one draw of its rounding is luck
+    xs = [torch.randn(4, 24, 64).to(dtype) for _ in range(4)]
+    runs = {"truth": [], "eager": [], "kg": []}
+    for x in xs:
+        for name, m, xin in (("truth", truth, x.double()), ("eager", stock, x), ("kg", mine, x)):
+            xin = xin.clone().requires_grad_()
+            loss = m(xin)
+            loss.backward()
+            runs[name].append([loss.detach(), xin.grad] + [p.grad.clone() for p in m.parameters()])
+            m.zero_grad()
+    joined = {
+        k: [torch.cat([r[i].reshape(-1) for r in v]) for i in range(len(v[0]))] for k, v in runs.items()
+    }
+    rep = mine.kernelgraft_report
+    served = sorted(s.spelling for s in rep.sites)
+    if dtype == torch.float32:
+        assert served == ["no_cast", "no_weight"], str(rep)
+    else:  # no_cast rounds after every op in bf16: refused there, with why, and the stock code runs
+        assert served == ["no_weight"], str(rep)
+        (refused,) = rep.fallbacks
+        assert refused.spelling == "no_cast" and "served in float32" in refused.reason
+    bad = [
+        str(v)
+        for v in (
+            judge(f"#{i}", t, k, e)
+            for i, (t, e, k) in enumerate(zip(joined["truth"], joined["eager"], joined["kg"]))
+        )
+        if not v.ok
+    ]
+    assert not bad, bad

@@ -103,8 +103,12 @@ def explained(arch: str, device: str = "cpu", lora: bool = False):
 def test_sites_match_the_model(arch, device):
     model, rep = explained(arch, device, False)
     b = batch(device=device)
-    assert kernel_sites(rep, model.config.num_hidden_layers) == expected_sites(model, b), str(rep)
+    expected = expected_sites(model, b)
+    assert kernel_sites(rep, model.config.num_hidden_layers) == expected, str(rep)
     assert not rep.fallbacks and not rep.near_misses, str(rep)
+    # nothing skipped silently: no norm left unserved, and an MLP only where it has no gate
+    unserved = Counter(u.kind for u in rep.unserved)
+    assert unserved == ({} if "gated_mlp" in expected else {"mlp": model.config.num_hidden_layers}), str(rep)
 
 
 @pytest.mark.parametrize("device", DEVICES)

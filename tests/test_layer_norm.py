@@ -113,3 +113,28 @@ def test_a_pattern_that_can_never_match_is_refused_where_it_is_written():
         @kernelgraft.pattern("my_group_norm", registry=Registry())
         def my_group_norm(x, weight, bias, eps: Scalar):
             return F.group_norm(x, 4, weight, bias, eps)
+
+
+def test_a_norm_nothing_resembles_is_reported_with_what_it_computes():
+    class MaxNorm(torch.nn.Module):  # a norm no pattern spells: divided by the row's largest magnitude
+        def __init__(self, n):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return x / (x.abs().amax(-1, keepdim=True) + 1e-6) * self.weight
+
+    class Block(torch.nn.Module):
+        def __init__(self, n=32):
+            super().__init__()
+            self.norm, self.ln = MaxNorm(n), torch.nn.LayerNorm(n)
+
+        def forward(self, x):
+            return self.ln(self.norm(x)).sum()
+
+    rep = kernelgraft.explain(Block(), torch.randn(2, 5, 32))
+    assert rep.counts() == {"layer_norm": 1}
+    (u,) = rep.unserved
+    assert (u.module, u.cls, u.kind) == ("norm", "MaxNorm", "norm")
+    assert "no pattern matched or came close; it computes" in u.reason and "amax" in u.reason
+    assert "not served, nothing close (1):" in str(rep) and "norm (MaxNorm, a norm)" in str(rep)

@@ -25,7 +25,7 @@ from ..options import Options
 from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
 from .replace import argument_nodes, insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
-from .report import RewriteReport
+from .report import RewriteReport, Unserved, readable_path
 
 
 @dataclass
@@ -125,6 +125,37 @@ def near_misses(g: Graft) -> None:
     g.report.near_misses = list(best.values())
 
 
+# a module whose class name says what it is: the sites a decoder's norms and MLPs should have
+_MODULE_KINDS = (("Norm", "norm"), ("MLP", "mlp"), ("Mlp", "mlp"))
+
+
+def unserved(g: Graft) -> None:
+    """Norm and MLP modules the graph calls (by their class names) in which no site was served,
+    refused or came close: reported with the ops they compute."""
+    explained = [r.module for r in g.report.sites + g.report.fallbacks] + [
+        m.module for m in g.report.near_misses
+    ]
+    ops: dict = {}  # (path, class name, kind) -> canonical ops computed inside, in graph order
+    for c in g.canonical.nodes:
+        stack = c.fx.meta.get("nn_module_stack") if c.fx is not None else None
+        for path, cls in (stack or {}).values():
+            name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+            kind = next((k for part, k in _MODULE_KINDS if part in name), None)
+            if kind is None:
+                continue
+            seen = ops.setdefault((readable_path(path), name, kind), [])
+            op = c.op.removeprefix("opaque:")
+            if c.op != "input" and op not in seen:
+                seen.append(op)
+    for (path, name, kind), inside in ops.items():
+        if any(m == path or m.startswith(path + ".") for m in explained) or not inside:
+            continue
+        what = ", ".join(inside[:10]) + (", ..." if len(inside) > 10 else "")
+        g.report.unserved.append(
+            Unserved(path, kind, name, f"no pattern matched or came close; it computes {what}")
+        )
+
+
 def pair(g: Graft) -> None:
     pairs = plan_pairs(g.entries, g.dry_run)
     if g.dry_run:
@@ -149,7 +180,7 @@ def regions(g: Graft) -> None:
         g.report.add(run(sub))
 
 
-PASSES = (causal_masks, canonicalize_graph, match_and_replace, near_misses, pair, finish, regions)
+PASSES = (causal_masks, canonicalize_graph, match_and_replace, near_misses, unserved, pair, finish, regions)
 
 
 def run(g: Graft) -> RewriteReport:
@@ -188,5 +219,3 @@ def _checkpointed_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]
                 if isinstance(body, torch.fx.GraphModule):
                     out[id(body)] = body
     return list(out.values())
-
-

@@ -16,7 +16,11 @@ def module_path(fx_node) -> str:
     stack = fx_node.meta.get("nn_module_stack") if fx_node is not None else None
     if not stack:
         return "<top>"
-    path = list(stack.values())[-1][0]
+    return readable_path(list(stack.values())[-1][0])
+
+
+def readable_path(path: str) -> str:
+    """A module path as dynamo records it ("L['self'].model.layers[0].mlp") as the model names it."""
     path = _PREFIX.sub("", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
     return path.strip(".") or "<top>"
@@ -89,6 +93,22 @@ class NearMiss:
 
 
 @dataclass
+class Unserved:
+    """A norm or MLP module the model calls where no site was served, refused or came close: what
+    it computes (its canonical ops), so a user sees what was skipped and a contributor what to
+    write a pattern for."""
+
+    module: str
+    kind: str  # "norm" | "mlp"
+    cls: str  # the module's class name
+    reason: str
+    graph: object = 0
+
+    def __str__(self) -> str:
+        return f"{self.module} ({self.cls}, {'an MLP' if self.kind == 'mlp' else 'a norm'}): {self.reason}"
+
+
+@dataclass
 class RewriteReport:
     """Per capture: `.sites` (replaced by the rewrite), `.fallbacks` (refused at capture),
     `.near_misses`, `.counts()`; `str()` is a table. A site whose kernel failed later, at run time,
@@ -97,6 +117,8 @@ class RewriteReport:
     sites: list[SiteRecord] = field(default_factory=list)
     fallbacks: list[SiteRecord] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
+    # norm and MLP modules the model calls where nothing was served, refused or came close
+    unserved: list[Unserved] = field(default_factory=list)
     # attention calls whose mask was not proven causal (sliding windows, padding, symbolic sizes...):
     # they run as written; the reason says why (rewriter/attention.py)
     masks_kept: list[SiteRecord] = field(default_factory=list)
@@ -134,9 +156,10 @@ class RewriteReport:
             self.sites = [r for r in self.sites if not stale(r)]
             self.fallbacks = [r for r in self.fallbacks if not stale(r)]
             self.near_misses = [r for r in self.near_misses if not stale(r)]
+            self.unserved = [r for r in self.unserved if not stale(r)]
             self.masks_kept = [r for r in self.masks_kept if not stale(r)]
         key = frame if frame is not None else self.graphs
-        for r in other.sites + other.fallbacks + other.near_misses + other.masks_kept:
+        for r in other.sites + other.fallbacks + other.near_misses + other.unserved + other.masks_kept:
             r.graph = key
         self.add(other)
         self.graphs += other.graphs
@@ -146,6 +169,7 @@ class RewriteReport:
         self.sites += other.sites
         self.fallbacks += other.fallbacks
         self.near_misses += other.near_misses
+        self.unserved += other.unserved
         self.masks_kept += other.masks_kept
 
     def __str__(self) -> str:
@@ -162,6 +186,9 @@ class RewriteReport:
         if self.near_misses:
             out.append(f"near misses ({len(self.near_misses)}):")
             out += [f"  - {m}" for m in self.near_misses]
+        if self.unserved:
+            out.append(f"not served, nothing close ({len(self.unserved)}):")
+            out += [f"  - {u}" for u in self.unserved]
         if self.mask_checks:
             yes, no = (sum(c.runs[i] for c in self.mask_checks) for i in (0, 1))
             out.append(

@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 #   make test TORCH_SPEC='torch>=2.6'
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test gpu-test lint clean
+.PHONY: demo test gpu-test coverage lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(VENV)/.installed
 
 gpu-test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m gpu
+
+# every causal-LM architecture of the installed transformers, tiny and explained: the README's table
+coverage: $(VENV)/.installed
+	$(BIN)/python tests/coverage_all.py --write
 
 lint: $(VENV)/.installed
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check kernelgraft tests

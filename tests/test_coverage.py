@@ -194,3 +194,22 @@ if __name__ == "__main__":
     )
     README.write_text(new)
     sys.exit(0)
+
+
+def test_the_every_decoder_survey_counts_sites_from_the_model():
+    """tests/coverage_all.py (`make coverage`): the expected sites come from the model's modules; a
+    model whose every expected site is served is "full", and a row says what is missing and why."""
+    import coverage_all
+
+    llama, neox = coverage_all.survey("llama"), coverage_all.survey("gpt_neox")
+    assert llama["status"] == "full" and llama["expected"] == {
+        "norm": 5,
+        "rope": 4,
+        "gated_mlp": 2,
+        "lm_head_ce": 1,
+    }
+    assert neox["status"] == "full" and "gated_mlp" not in neox["expected"]  # its MLP has no gate
+    missing = dict(llama, status="partial", served=dict(llama["served"], rope=0), why="missing rope; x")
+    text = coverage_all.table([llama, missing])
+    assert text.startswith("1 of 2 causal-LM architectures fully served (2 built from a tiny config).")
+    assert "| llama | full | 5/5 | 4/4 | 2/2 | 1/1 |  |" in text and "| partial | 5/5 | 0/4 |" in text

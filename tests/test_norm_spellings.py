@@ -81,3 +81,37 @@ def test_hand_written_norms_are_served_by_the_rule(dtype):
         if not v.ok
     ]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torchs_rms_norm_without_a_weight_is_read_as_its_primitives(dtype):
+    """nn.RMSNorm(elementwise_affine=False) (F.rms_norm) is x * rsqrt(mean(x^2) + eps) in float32,
+    rounded once: served as rms_norm.no_weight, eps None being float32's epsilon (PyTorch computes
+    bf16 in float32, and takes that dtype's epsilon). With a weight the
+    rounding differs between PyTorch's CPU and CUDA kernels: that call stays stock, and is reported."""
+
+    class TwoNorms(nn.Module):
+        def __init__(self, n=64):
+            super().__init__()
+            self.plain, self.weighted = nn.RMSNorm(n, elementwise_affine=False), nn.RMSNorm(n, eps=1e-5)
+
+        def forward(self, x):
+            return (self.plain(x).sin() + self.weighted(x).cos()).mean()
+
+    torch.manual_seed(0)
+    stock = TwoNorms().to(dtype)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    truth = copy.deepcopy(stock).double()
+    runs = {}
+    x = torch.randn(4, 24, 64).to(dtype)
+    for name, m, xin in (("truth", truth, x.double()), ("eager", stock, x), ("kg", mine, x)):
+        xin = xin.clone().requires_grad_()
+        m(xin).backward()
+        runs[name] = xin.grad
+    rep = mine.kernelgraft_report
+    assert [(s.spelling, s.module, s.scalars["eps"]) for s in rep.sites] == [
+        ("no_weight", "plain", torch.finfo(torch.float32).eps)
+    ]
+    assert [u.module for u in rep.unserved] == ["weighted"] and "rms_norm" in rep.unserved[0].reason
+    v = judge("grad x", runs["truth"], runs["kg"], runs["eager"])
+    assert v.ok, str(v)

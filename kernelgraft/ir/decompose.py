@@ -16,6 +16,7 @@ from .graph import CNode, DtypeOf
 from .rules import apply_rules
 
 LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+RMS_NORMS = (F.rms_norm, torch.rms_norm) if hasattr(F, "rms_norm") else ()
 
 
 def _over_last_dim(shape, x: CNode) -> bool:
@@ -123,3 +124,32 @@ class _Decomposed:
             return g.call_function(fn, (fx_of(a), fx_of(c) if isinstance(c, CNode) else c))
 
         return self._node(op, (a, c), (), value, make)
+
+
+def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
+    """F.rms_norm (nn.RMSNorm) without a weight, over the last dim -> its primitives: x read in
+    float32, x * rsqrt(mean(x^2) + eps), one rounding to x's dtype (eps None: the epsilon of the
+    dtype it computes in, float32 for bf16/fp16 input).
+    With a weight PyTorch's rounding depends on the device (a fused kernel on CUDA multiplies in
+    float32, the composite rounds first): that call stays opaque."""
+    bound = dict(zip(("input", "normalized_shape", "weight", "eps"), args))
+    bound.update(kwargs)
+    x, w, eps = bound.get("input"), bound.get("weight"), bound.get("eps")
+    meta = x.meta if isinstance(x, CNode) else None
+    if eps is None and meta is not None and meta.dtype.is_floating_point:
+        # PyTorch's default: the epsilon of the dtype it computes in (float32 for bf16/fp16 input)
+        eps = torch.finfo(torch.promote_types(meta.dtype, torch.float32)).eps
+    eps_ok = _is_number(eps) or (isinstance(eps, CNode) and eps.op == "input")
+    if (
+        w is not None
+        or not isinstance(x, CNode)
+        or not eps_ok
+        or not _over_last_dim(bound.get("normalized_shape"), x)
+    ):
+        return b.new("opaque:rms_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    out = n.meta.get("example_value")
+    out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
+    d = _Decomposed(b, meta)
+    h = d.cast(x, torch.float32)
+    y = d.binary("mul", h, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", h)), eps)))
+    return b.new("cast", (y, out_dtype), fx=n)

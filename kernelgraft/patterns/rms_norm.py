@@ -9,6 +9,7 @@ olmo2: normalize in float32, multiply by the weight in float32, round once at th
        q/k norms span all heads of the projection).
 no_weight: normalize in float32, round back; no weight (Gemma-3n, Llama-4 and other weightless
        norms). A larger spelling that also matches (llama's, with its weight) is tried first.
+no_weight_scale: no weight, the scale rounded to x's dtype before it multiplies x (DeepSeek-V4).
 no_cast: every op in x's dtype, the weight last (hand-written models).
 """
 
@@ -50,12 +51,26 @@ def _example_no_weight(rows, n, dtype, g):
     return {"x": torch.randn(rows, n, generator=g).to(dtype).requires_grad_(), "eps": 1e-6}
 
 
-@pattern("rms_norm", spelling="no_weight", extra_check=dtype_check, example=_example_no_weight, recompute=True)
+@pattern(
+    "rms_norm", spelling="no_weight", extra_check=dtype_check, example=_example_no_weight, recompute=True
+)
 def rms_norm_no_weight(x, eps: Scalar):
     """No weight: Gemma-3n's and Llama-4's weightless norms, an L2-style norm of q and k."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return h.to(x.dtype)
+
+
+@pattern(
+    "rms_norm",
+    spelling="no_weight_scale",
+    extra_check=dtype_check,
+    example=_example_no_weight,
+    recompute=True,
+)
+def rms_norm_no_weight_scale(x, eps: Scalar):
+    """No weight, the scale rounded to x's dtype before it multiplies x (DeepSeek-V4's unweighted norm)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def _float32_only(site) -> str | None:

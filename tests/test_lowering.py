@@ -52,6 +52,18 @@ def _run_on_cpu(gm: fx.GraphModule, sp, spelled: list, args: list):
     tensors, _ = split_args(sp, tuple(spelled))
     k = row_kernel(sp, {n: t.dtype for n, t in tensors.items()}, layout(sp, tensors).kinds, ROUNDING)
 
+    def launch(name, grid, kwargs):
+        which = name.removeprefix(k.spec.name + "_")
+        k.fn(which, torch.device("cpu"))[grid](**kwargs)
+        return which
+
+    return _run_launches_on_cpu(gm, [a for a in args if isinstance(a, torch.Tensor)], launch)
+
+
+def _run_launches_on_cpu(gm: fx.GraphModule, args: list, launch):
+    """gm run on CPU tensors, each recorded Triton launch made by launch(kernel name, grid, its
+    arguments) -> (outputs, what launch returned for each launch)."""
+
     class OnCPU(fx.Interpreter):
         def call_function(self, target, a, kw):
             if target is triton_kernel_wrapper_mutation:
@@ -59,9 +71,9 @@ def _run_on_cpu(gm: fx.GraphModule, sp, spelled: list, args: list):
                 consts = kernel_side_table.get_constant_args(kw["constant_args_idx"])
                 while not hasattr(kernel, "arg_names") or hasattr(kernel, "configs"):
                     kernel = kernel.fn  # the autotuner that carries num_warps -> the JIT function
-                which = kernel.__name__.removeprefix(k.spec.name + "_")
-                k.fn(which, torch.device("cpu"))[tuple(kw["grid"][0])](**kw["kwargs"], **consts)
-                self.launches.append(which)
+                self.launches.append(
+                    launch(kernel.__name__, tuple(kw["grid"][0]), {**kw["kwargs"], **consts})
+                )
                 return None
             if "device" in kw:
                 kw = dict(kw, device=torch.device("cpu"))
@@ -69,7 +81,7 @@ def _run_on_cpu(gm: fx.GraphModule, sp, spelled: list, args: list):
 
     runner = OnCPU(gm)
     runner.launches = []
-    return runner.run(*[a for a in args if isinstance(a, torch.Tensor)]), runner.launches
+    return runner.run(*args), runner.launches
 
 
 def _ops_left(gm) -> list:
@@ -369,29 +381,6 @@ def test_every_generated_row_kernel_is_known_as_kernelgrafts():
     assert not is_kernelgraft_kernel("triton_poi_fused_add_0") and not is_kernelgraft_kernel(None)
 
 
-def _run_by_name_on_cpu(gm: fx.GraphModule, module, args: list):
-    """The traced graph run on CPU tensors: each recorded launch by the kernel of the same name in
-    `module` (the interpreter's instance of the same generated source)."""
-
-    class OnCPU(fx.Interpreter):
-        def call_function(self, target, a, kw):
-            if target is triton_kernel_wrapper_mutation:
-                kernel = kernel_side_table.get_kernel(kw["kernel_idx"])
-                consts = kernel_side_table.get_constant_args(kw["constant_args_idx"])
-                while not hasattr(kernel, "arg_names") or hasattr(kernel, "configs"):
-                    kernel = kernel.fn
-                getattr(module, kernel.__name__)[tuple(kw["grid"][0])](**kw["kwargs"], **consts)
-                self.launches.append(kernel.__name__)
-                return None
-            if "device" in kw:
-                kw = dict(kw, device=torch.device("cpu"))
-            return super().call_function(target, a, kw)
-
-    runner = OnCPU(gm)
-    runner.launches = []
-    return runner.run(*args), runner.launches
-
-
 @pytest.mark.parametrize("r", [4, 40])
 def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     """peft's default on a bf16 model (float32 adapters): the forward and backward calls become
@@ -416,7 +405,12 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     gm.recompile()
     assert _ops_left(gm) == []
     module, _ = lk.kernels(torch.bfloat16, torch.float32, torch.bfloat16, "cpu")
-    got, launches = _run_by_name_on_cpu(gm, module, [x, res, a, b, g])
+
+    def launch(name, grid, kwargs):  # the interpreter's instance of the same generated source
+        getattr(module, name)[grid](**kwargs)
+        return name
+
+    got, launches = _run_launches_on_cpu(gm, [x, res, a, b, g], launch)
     name = lk.kernel_name(torch.bfloat16, torch.float32, torch.bfloat16)
     assert launches == [f"{name}_{k}" for k in ("down", "up", "grad_u", "grad_b", "grad_a", "grad_x")]
     cuda = torch.device("cuda")

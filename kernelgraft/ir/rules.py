@@ -39,7 +39,7 @@ RULES: list[tuple[str, Any]] = [
     ),  # cat(-x2, x1) -> rotate_half(x)
     (
         "interleave2",
-        lambda a, b: ("rotate_pairs", (b.args[0],)) if _rotates_pairs(a, b) else None,
+        lambda a, b: ("rotate_pairs", (b.args[0],)) if _rotates(a, b, "pairs") else None,
     ),  # stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) -> rotate_pairs(x)
     ("row_slice", lambda z: _sliced_linear(z)),  # linear(h, W)[rows] -> linear(h[rows], W)
 ]
@@ -83,26 +83,15 @@ def _made(h: CNode, index: tuple) -> CNode | None:
     return n
 
 
-def _rotates(a, b) -> bool:
-    """cat((-x[..., D/2:], x[..., :D/2])): the two halves of one tensor, the second negated."""
+def _rotates(a, b, parts: str = "half") -> bool:
+    """Two parts of one tensor, the second negated and put first: cat((-x[..., D/2:], x[..., :D/2]))
+    of its halves ("half"), or interleave(-x[..., 1::2], x[..., ::2]) of its (even, odd) pairs
+    ("pairs")."""
     return (
         _is(a, "neg")
-        and _is(a.args[0], "half")
+        and _is(a.args[0], parts)
         and a.args[0].attr("part") == 1
-        and _is(b, "half")
-        and b.attr("part") == 0
-        and a.args[0].args[0] is b.args[0]
-    )
-
-
-def _rotates_pairs(a, b) -> bool:
-    """interleave(-x[..., 1::2], x[..., ::2]): each (even, odd) pair of one tensor rotated, the odd
-    one negated."""
-    return (
-        _is(a, "neg")
-        and _is(a.args[0], "pairs")
-        and a.args[0].attr("part") == 1
-        and _is(b, "pairs")
+        and _is(b, parts)
         and b.attr("part") == 0
         and a.args[0].args[0] is b.args[0]
     )

@@ -1,5 +1,5 @@
 """Every causal-LM architecture the installed transformers lists, built from a tiny config (2 layers,
-hidden 64, nothing downloaded) and explained with labels: the sites its own modules call against
+hidden 64, nothing downloaded) and explained with labels: the sites its own modules make, against
 the sites kernelgraft serves, and why the rest are not served.
 
 Expected sites come from the model, not from kernelgraft: each norm module it calls (hooks; a class
@@ -36,7 +36,7 @@ def _name(m) -> str:
 
 
 def expected(model, b) -> dict:
-    """The sites the model's own modules call on batch b (eager, hooks)."""
+    """The sites the model's own modules make on batch b (eager, hooks)."""
     calls: Counter = Counter()
     gated = lambda m: any(hasattr(m, a) for a in ("gate_proj", "gate_up_proj"))  # noqa: E731
     rotary = any("Rotary" in _name(m) for m in model.modules())

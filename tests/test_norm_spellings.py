@@ -88,7 +88,7 @@ def test_torchs_rms_norm_without_a_weight_is_read_as_its_primitives(dtype):
     """nn.RMSNorm(elementwise_affine=False) (F.rms_norm) is x * rsqrt(mean(x^2) + eps) in float32,
     rounded once: served as rms_norm.no_weight, eps None being float32's epsilon (PyTorch computes
     bf16 in float32, and takes that dtype's epsilon). With a weight the
-    rounding differs between PyTorch's CPU and CUDA kernels: that call stays stock, and is reported."""
+    rounding differs between PyTorch's CPU and CUDA kernels: it is left as stock code, and reported."""
 
     class TwoNorms(nn.Module):
         def __init__(self, n=64):

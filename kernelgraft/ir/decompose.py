@@ -131,7 +131,7 @@ def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
     float32, x * rsqrt(mean(x^2) + eps), one rounding to x's dtype (eps None: the epsilon of the
     dtype it computes in, float32 for bf16/fp16 input).
     With a weight PyTorch's rounding depends on the device (a fused kernel on CUDA multiplies in
-    float32, the composite rounds first): that call stays opaque."""
+    float32, the composite rounds first): left opaque there."""
     bound = dict(zip(("input", "normalized_shape", "weight", "eps"), args))
     bound.update(kwargs)
     x, w, eps = bound.get("input"), bound.get("weight"), bound.get("eps")

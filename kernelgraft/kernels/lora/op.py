@@ -64,7 +64,7 @@ def _define(sp, name: str) -> LoRAOp:
             try:
                 return kernel.forward(x, result, A, B, s)
             except Exception as e:  # noqa: BLE001 - compile or launch failure: the stock code runs
-                if tracing():  # traced for inductor: the call stays a host launch, nothing marked failed
+                if tracing():  # traced for inductor: left to launch from the host, nothing marked failed
                     raise
                 _failed(x, A, result.dtype, e, sp)
         with torch.no_grad():

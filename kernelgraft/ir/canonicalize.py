@@ -140,7 +140,7 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
         meta = args[0].meta
         last_two = start == -2 or (meta is not None and start == meta.dim() - 2)
-        if last_two and end in (-1, None) or (meta is not None and last_two and end == meta.dim() - 1):
+        if last_two and (end in (-1, None) or (meta is not None and end == meta.dim() - 1)):
             stacked = args[0]
             node = b.new("interleave2", stacked.args, fx=n)
             node.cover.extend(stacked.cover)  # the stack is part of what the interleave stands for
@@ -378,11 +378,11 @@ def _shared(b: _Builder, out: CNode) -> CNode:
     seen: dict = {}
     same: dict = {}
 
-    def key_of(a):
+    def key_of(a):  # of arguments already merged (sub)
         if isinstance(a, CNode):
-            return ("node", id(same.get(a, a)))
+            return ("node", id(a))
         if isinstance(a, DtypeOf):
-            return ("dtype_of", id(same.get(a.node, a.node)))
+            return ("dtype_of", id(a.node))
         if isinstance(a, tuple):
             return tuple(key_of(x) for x in a)
         return (type(a).__name__, a)

@@ -57,9 +57,8 @@ def twins(a, b) -> list | None:
     two differ. Opaque ops and inputs are never twins (an opaque op may not be pure)."""
     if a is b:
         return []
-    if not (isinstance(a, CNode) and isinstance(b, CNode)):
-        same = type(a) is type(b) and a == b if not isinstance(a, (CNode, DtypeOf)) else False
-        return [] if same else None
+    if not (isinstance(a, CNode) and isinstance(b, CNode)):  # numbers, dtypes
+        return [] if type(a) is type(b) and a == b else None
     if a.op != b.op or a.attrs != b.attrs or len(a.args) != len(b.args):
         return None
     if a.op == "input" or a.op.startswith("opaque") or a.fx is None or b.fx is None:

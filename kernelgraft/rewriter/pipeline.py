@@ -136,14 +136,18 @@ def unserved(g: Graft) -> None:
         m.module for m in g.report.near_misses
     ]
     ops: dict = {}  # (path, class name, kind) -> canonical ops computed inside, in graph order
+    modules: dict = {}  # (dynamo's path, class) -> (path, class name, kind), or None: not a norm or MLP
     for c in g.canonical.nodes:
         stack = c.fx.meta.get("nn_module_stack") if c.fx is not None else None
         for path, cls in (stack or {}).values():
-            name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
-            kind = next((k for part, k in _MODULE_KINDS if part in name), None)
-            if kind is None:
+            if (path, cls) not in modules:
+                name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+                kind = next((k for part, k in _MODULE_KINDS if part in name), None)
+                modules[path, cls] = None if kind is None else (readable_path(path), name, kind)
+            key = modules[path, cls]
+            if key is None:
                 continue
-            seen = ops.setdefault((readable_path(path), name, kind), [])
+            seen = ops.setdefault(key, [])
             op = c.op.removeprefix("opaque:")
             if c.op != "input" and op not in seen:
                 seen.append(op)

@@ -196,7 +196,7 @@ def precision(ad: torch.dtype) -> str:
 
 # (rows, columns, warps) per kernel's tile on the GPU at ranks up to 16, each the fastest of rows
 # 32/64/128 x columns 64/128 x 4/8 warps summed over a Llama-3.2-1B layer's four (width in, width
-# out) pairs at 16384 rows, rank 16 (H200, 2026-12-01: 1.27x faster over a layer than 32 x 64 x 4).
+# out) pairs at 16384 rows, rank 16 (H200, 2026-12-01: 1.29x faster, summed over the four pairs, than 32 x 64 x 4).
 # Larger ranks (not measured yet), and the interpreter, keep the smaller tile (the float32 sums of a
 # rank-256 tile fill the registers).
 GPU_TILES = {
@@ -255,38 +255,56 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+class _Launches:
+    """The LoRA kernels of one call: each launched with its tile (_blocks) and the call's options."""
+
+    def __init__(self, x, A, od: torch.dtype, *ts: torch.Tensor):
+        self.mod, self.name = kernels(x.dtype, A.dtype, od, x.device.type)
+        self.R, self.dev, self.opts = A.shape[0], x.device, _options(A, x, *ts)
+
+    def tile(self, kernel: str) -> tuple[int, int]:
+        BT, BC, _, _ = _blocks(self.R, kernel, self.dev)
+        return BT, BC
+
+    def __call__(self, kernel: str, grid, *args, cols: str = "BN") -> None:
+        """`kernel` on `args`; grid(rows per tile, columns per tile) -> its grid; cols: the name of
+        its column block."""
+        BT, BC, BR, warps = _blocks(self.R, kernel, self.dev)
+        launcher(getattr(self.mod, f"{self.name}_{kernel}"))[grid(BT, BC)](
+            *args, BT=BT, BR=BR, num_warps=warps, **{cols: BC}, **self.opts
+        )
+
+    def summed(self, kernel: str, shape: tuple, dtype: torch.dtype, T: int, blocks, args, cols: str = "BN"):
+        """A weight gradient summed over T rows: each split's float32 sums from `kernel` (blocks:
+        columns per tile -> column blocks; args(part, rows per split) -> its arguments), then added
+        and rounded once to `dtype` (R_a)."""
+        if not T:
+            return torch.zeros(shape, dtype=dtype, device=self.dev)
+        BT, BC = self.tile(kernel)
+        n, rows = _splits(T, blocks(BC), BT, self.dev)
+        part = torch.empty((n, *shape), dtype=torch.float32, device=self.dev)
+        self(kernel, lambda bt, bc: (blocks(bc), n), *args(part, rows), cols=cols)
+        total = part.squeeze(0) if n == 1 else part.sum(0)
+        return total.to(dtype)
+
+
 def forward(x, result, A, B, scaling: float):
     """-> (out, u): the layer's output (result's dtype and shape) and u = x A^T (rows x rank, the
     adapters' dtype), which the backward reads."""
-    mod, name = kernels(x.dtype, A.dtype, result.dtype, x.device.type)
+    launch = _Launches(x, A, result.dtype, result)
     x2, base = _rows(x), _rows(result)
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], base.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
     out = torch.empty((T, N), dtype=result.dtype, device=x.device)
     u = torch.empty((T, R), dtype=A.dtype, device=x.device)
-    opts = _options(A, x, result)
     if T:
-        BT, BK, BR, w = _blocks(R, "down", x.device)
-        launcher(getattr(mod, f"{name}_down"))[(cdiv(T, BT),)](
-            x2,
-            Ac,
-            u,
-            T,
-            K,
-            R,
-            x2.stride(0),
-            Ac.stride(0),
-            u.stride(0),
-            BT=BT,
-            BK=BK,
-            BR=BR,
-            num_warps=w,
-            **opts,
-        )
-        BT, BN, BR, w = _blocks(R, "up", x.device)
-        launcher(getattr(mod, f"{name}_up"))[(cdiv(T, BT), cdiv(N, BN))](
+        launch(
+            "down", lambda bt, bc: (cdiv(T, bt),),
+            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), cols="BK",
+        )  # fmt: skip
+        launch(
+            "up", lambda bt, bc: (cdiv(T, bt), cdiv(N, bc)),
             out, base, u, Bc, float(scaling), T, N, R, out.stride(0), base.stride(0), u.stride(0), Bc.stride(0),
-            BT=BT, BN=BN, BR=BR, num_warps=w, **opts,
         )  # fmt: skip
     return out.view(result.shape), u
 
@@ -295,77 +313,35 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     """-> (dx, dA, dB) for the output's gradient g; None where `needs` (x, A, B) says no. The base
     output's gradient is g itself."""
     need_x, need_a, need_b = needs
-    mod, name = kernels(x.dtype, A.dtype, g.dtype, x.device.type)
+    launch = _Launches(x, A, g.dtype, g)
     x2, g2 = _rows(x), _rows(g)
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], g2.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
-    opts = _options(A, x, g)
     s = float(scaling)
     dev = x.device
     dx = dA = dB = du = None
     if (need_x or need_a) and T:
         du = torch.empty((T, R), dtype=A.dtype, device=dev)
-        BT, BN, BR, w = _blocks(R, "grad_u", dev)
-        launcher(getattr(mod, f"{name}_grad_u"))[(cdiv(T, BT),)](
-            g2,
-            Bc,
-            du,
-            s,
-            T,
-            N,
-            R,
-            g2.stride(0),
-            Bc.stride(0),
-            du.stride(0),
-            BT=BT,
-            BN=BN,
-            BR=BR,
-            num_warps=w,
-            **opts,
-        )
+        launch(
+            "grad_u", lambda bt, bc: (cdiv(T, bt),),
+            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0),
+        )  # fmt: skip
     if need_b:
-        BT, BN, BR, w = _blocks(R, "grad_b", dev)
-        dB = _summed(mod, f"{name}_grad_b", (N, R), B.dtype, T, cdiv(N, BN), BT, dev,
-                     lambda part, rows: (g2, u, part, s, T, N, R, g2.stride(0), u.stride(0), rows),
-                     dict(BT=BT, BN=BN, BR=BR, num_warps=w, **opts))  # fmt: skip
+        dB = launch.summed(
+            "grad_b", (N, R), B.dtype, T, lambda bc: cdiv(N, bc),
+            lambda part, rows: (g2, u, part, s, T, N, R, g2.stride(0), u.stride(0), rows),
+        )  # fmt: skip
     if need_a:
-        BT, BK, BR, w = _blocks(R, "grad_a", dev)
-        dA = _summed(mod, f"{name}_grad_a", (R, K), A.dtype, T, cdiv(K, BK), BT, dev,
-                     lambda part, rows: (du, x2, part, T, K, R, du.stride(0), x2.stride(0), rows),
-                     dict(BT=BT, BK=BK, BR=BR, num_warps=w, **opts))  # fmt: skip
+        dA = launch.summed(
+            "grad_a", (R, K), A.dtype, T, lambda bc: cdiv(K, bc),
+            lambda part, rows: (du, x2, part, T, K, R, du.stride(0), x2.stride(0), rows), cols="BK",
+        )  # fmt: skip
     if need_x:
         dx = torch.empty((T, K), dtype=x.dtype, device=dev)
         if T:
-            BT, BK, BR, w = _blocks(R, "grad_x", dev)
-            launcher(getattr(mod, f"{name}_grad_x"))[(cdiv(T, BT), cdiv(K, BK))](
-                dx,
-                du,
-                Ac,
-                T,
-                K,
-                R,
-                dx.stride(0),
-                du.stride(0),
-                Ac.stride(0),
-                BT=BT,
-                BK=BK,
-                BR=BR,
-                num_warps=w,
-                **opts,
-            )
+            launch(
+                "grad_x", lambda bt, bc: (cdiv(T, bt), cdiv(K, bc)),
+                dx, du, Ac, T, K, R, dx.stride(0), du.stride(0), Ac.stride(0), cols="BK",
+            )  # fmt: skip
         dx = dx.view(x.shape)
     return dx, dA, dB
-
-
-def _summed(
-    mod, kernel: str, shape: tuple, dtype: torch.dtype, T: int, blocks: int, BT: int, device, args, meta
-):
-    """A weight gradient summed over T rows: each split's float32 sums from `kernel`, then added
-    and rounded once to `dtype` (R_a)."""
-    if not T:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    n, rows = _splits(T, blocks, BT, device)
-    part = torch.empty((n, *shape), dtype=torch.float32, device=device)
-    launcher(getattr(mod, kernel))[(blocks, n)](*args(part, rows), **meta)
-    total = part.squeeze(0) if n == 1 else part.sum(0)
-    return total.to(dtype)

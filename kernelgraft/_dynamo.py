@@ -4,8 +4,39 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 
 import torch
+
+# the Logger methods a model may call (and any `*_once` variant a library adds to Logger, as
+# transformers does): under capture each is dropped instead of breaking the graph
+_LOGGING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log")
+
+
+def logging_functions() -> set:
+    """logging.Logger's methods, plain and any a library added (`warning_once`, `info_once`...)."""
+    names = {*_LOGGING, *(n for n in dir(logging.Logger) if n.endswith(("_once", "_advice")))}
+    return {f for n in names if callable(f := getattr(logging.Logger, n, None))}
+
+
+@contextlib.contextmanager
+def capture_settings():
+    """Dynamo's settings while kernelgraft captures a model:
+    - floats the model reads (a norm's eps, a logit scale) stay numbers in the graph: with
+      dynamic shapes dynamo would make them inputs, and the patterns that take them as a Scalar
+      (RMSNorm's eps) would no longer match; a float that changes between calls recompiles;
+    - hooks are guarded: a hook registered after the first call recompiles, and then runs
+      (torch.compile alone skips those guards, and such a hook is never called);
+    - a logging call in the model (transformers' `logger.warning_once` in `loss_function`, which
+      splits GPT-2's graph between its LM head and its loss) is dropped, not a graph break:
+      the message is not printed while the model runs compiled."""
+    cfg = torch._dynamo.config
+    patch = dict(specialize_float=True, skip_nnmodule_hook_guards=False)
+    key = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(cfg, k)), None)
+    if key is not None:
+        patch[key] = set(getattr(cfg, key)) | logging_functions()
+    with cfg.patch(**patch):
+        yield
 
 
 @contextlib.contextmanager

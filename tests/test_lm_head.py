@@ -241,7 +241,7 @@ def test_all_labels_ignored():
 def test_no_gradients_no_work():
     sp, args = make_args("hf_mean", 16, 16, 64, torch.float32)
     with torch.no_grad():
-        loss, ticket = op_for(sp).fwd(*args, False, False, 0, "fp32", 0.0)
+        loss, ticket = op_for(sp).fwd(*args, False, False, False, 0, "fp32", 0.0)
     assert int(ticket) not in lm_op._STASH  # no gradients were made, none are held
     torch.testing.assert_close(loss, sp.fn(*args).detach(), rtol=1e-6, atol=0)
 

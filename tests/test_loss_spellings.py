@@ -3,6 +3,7 @@ identity views dropped, view/reshape/flatten to rows one form, the shift of the 
 and the served model's loss and gradients pass the accuracy rule against float64 truth beside eager."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import kernelgraft
 from kernelgraft.gradcheck import Float64Everywhere, judge
 
 V, H = 96, 32
+_log = logging.getLogger(__name__)
 
 
 class Loop(torch.nn.Module):
@@ -23,7 +25,7 @@ class Loop(torch.nn.Module):
         super().__init__()
         self.how = how
         self.emb = torch.nn.Embedding(V, H)
-        self.head = torch.nn.Linear(H, V, bias=False)
+        self.head = torch.nn.Linear(H, V, bias="bias" in how)
         self.ce = torch.nn.CrossEntropyLoss()
 
     def forward(self, ids, y):
@@ -49,6 +51,15 @@ class Loop(torch.nn.Module):
             return F.cross_entropy(z[..., :-1, :].float().reshape(-1, V), y[..., 1:].reshape(-1))
         if how == "upcast, then shift":
             return F.cross_entropy(z.float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+        if how == "upcast twice":  # a model's logits.float(), and the loss function's own
+            return F.cross_entropy(z.float().float().view(-1, V), y.view(-1))
+        if how == "a log call between":  # dynamo breaks the graph at a logging call, unless told not to
+            _log.debug("the loss of %s", how)
+            return F.cross_entropy(z.float().view(-1, V), y.view(-1))
+        if how == "a bias, upcast":
+            return F.cross_entropy(z.float().view(-1, V), y.view(-1))
+        if how == "a bias, shift in the loop":
+            return F.cross_entropy(z[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
         raise ValueError(how)
 
 
@@ -63,6 +74,10 @@ SPELLINGS = [
     "shift in the loop",
     "shift, upcast",
     "upcast, then shift",
+    "upcast twice",
+    "a log call between",
+    "a bias, upcast",
+    "a bias, shift in the loop",
 ]
 
 

@@ -31,7 +31,22 @@ def tiny_config(arch: str, layers: int = 2):
         kw.update(sliding_window=8, query_pre_attn_scalar=16)
     if arch == "qwen3_moe":  # tiny experts, as many as Mixtral's (its defaults: 128 of width 768, top 8)
         kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
-    return AutoConfig.for_model(arch, **kw)
+    return deterministic(AutoConfig.for_model(arch, **kw))
+
+
+RANDOM_RATES = ("dropout", "pdrop", "jitter")  # config attributes that make a training forward random
+
+
+def deterministic(cfg):
+    """cfg with every dropout and jitter rate zeroed, in its sub-configs too (GPT-2's resid_pdrop,
+    BERT's hidden_dropout_prob, an MoE router's jitter): a training forward then gives the same
+    numbers each time, so gradients can be compared with float64 truth."""
+    for name, value in list(vars(cfg).items()):
+        if hasattr(value, "to_dict") and value is not cfg:  # a sub-config (text_config, attn_config...)
+            deterministic(value)
+        elif isinstance(value, float) and value > 0 and any(r in name for r in RANDOM_RATES):
+            setattr(cfg, name, 0.0)
+    return cfg
 
 
 def tiny_model(arch: str, dtype=torch.float32, seed: int = 0, layers: int = 2, device="cpu"):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._dynamo import fresh_entry, room_for_recompiles
+from .._dynamo import capture_settings, fresh_entry, room_for_recompiles
 from ..kernels import op_for
 from ..options import Options
 from ..rewriter import Grafter, optimize
@@ -316,7 +316,7 @@ def _probe(model, args, kwargs, patterns):
 
     m = _copy(model, None)
     grafter = Grafter("eager", patterns, dry_run=True, probe=probe, training=True)
-    with torch.enable_grad(), room_for_recompiles():
+    with torch.enable_grad(), room_for_recompiles(), capture_settings():
         torch.compile(fresh_entry("audit"), backend=grafter)(m, *args, **kwargs)
     if grafter.report.graphs == 0:
         raise RuntimeError(

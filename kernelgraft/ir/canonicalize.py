@@ -156,10 +156,10 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) == -1
     ):
         return b.new("chunk2", (args[0],), fx=n)
-    if target in (F.linear, torch._C._nn.linear):
+    if target in (F.linear, torch._C._nn.linear) and len(args) >= 2:
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        if bias is None and len(args) >= 2:
-            return b.new("linear", tuple(_autocast_inputs(b, n, args[:2])), fx=n)
+        ins = args[:2] if bias is None else [*args[:2], bias]  # linear(h, W) or linear(h, W, b)
+        return b.new("linear", tuple(_autocast_inputs(b, n, ins)), fx=n)
     if target is F.cross_entropy:
         return _cross_entropy(b, n, args, kwargs)
     if target in LAYER_NORMS:

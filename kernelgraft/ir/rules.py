@@ -28,6 +28,7 @@ RULES: list[tuple[str, Any]] = [
     ("pow", lambda a, e: ("rsqrt", (a,)) if _num(e, -0.5) else None),  # x^-0.5 -> rsqrt
     ("pow", lambda a, e: ("reciprocal", (a,)) if _num(e, -1) else None),  # x^-1 -> 1/x
     ("div", lambda a, b: ("reciprocal", (b,)) if _num(a, 1) else None),  # 1/x -> reciprocal
+    ("cast", lambda a, dt: ("cast", (a.args[0], dt)) if _recast(a, dt) else None),  # x.float().float() -> x.float()
     ("reciprocal", lambda a: ("rsqrt", a.args) if _is(a, "sqrt") else None),  # 1/sqrt(x) -> rsqrt
     (
         "div",
@@ -41,7 +42,7 @@ RULES: list[tuple[str, Any]] = [
         "interleave2",
         lambda a, b: ("rotate_pairs", (b.args[0],)) if _rotates(a, b, "pairs") else None,
     ),  # stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) -> rotate_pairs(x)
-    ("row_slice", lambda z: _sliced_linear(z)),  # linear(h, W)[rows] -> linear(h[rows], W)
+    ("row_slice", lambda z: _sliced_linear(z)),  # linear(h, W[, b])[rows] -> linear(h[rows], W[, b])
 ]
 
 
@@ -53,14 +54,14 @@ def _sliced_linear(z) -> tuple | None:
         cast, z = z, z.args[0]
     if not _is(z, "linear") or not isinstance(z.args[0], CNode):
         return None
-    h, w = z.args
+    h, *params = z.args  # the weight, and the bias where there is one
     index = _pending_index[-1]
     rows = _made(h, index)
     if rows is None:
         return None
     if cast is None:
-        return "linear", (rows, w), ()
-    lin = CNode("linear", (rows, w), (), cast.fx, list(cast.cover), name=f"{cast.name}_rows")
+        return "linear", (rows, *params), ()
+    lin = CNode("linear", (rows, *params), (), cast.fx, list(cast.cover), name=f"{cast.name}_rows")
     _pending.append(lin)
     return "cast", (lin, cast.args[1]), ()
 
@@ -81,6 +82,11 @@ def _made(h: CNode, index: tuple) -> CNode | None:
     n = CNode("row_slice", (h,), (("index", index),), None, [], name=f"{h.name}_rows", value=value, make=make)
     _pending.append(n)
     return n
+
+
+def _recast(a, dt) -> bool:
+    """a is a cast to dt already (a model's `logits.float()` that the loss function casts again)."""
+    return _is(a, "cast") and isinstance(dt, torch.dtype) and a.args[1] == dt
 
 
 def _rotates(a, b, parts: str = "half") -> bool:

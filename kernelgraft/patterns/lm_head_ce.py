@@ -6,7 +6,9 @@ Spellings, as Hugging Face's `ForCausalLMLoss` and hand-written loops write them
 - reduction "mean" (labels counted where not ignore_index), or "sum" divided by
   `num_items_in_batch` (HF with gradient accumulation: a tensor, or a Python number);
 - the logit transform in between: none, Gemma-2/3's softcap `cap * tanh(z / cap)`, Granite's
-  `z / logits_scaling`, Cohere's `z * logit_scale`.
+  `z / logits_scaling`, Cohere's `z * logit_scale`;
+- a head with a bias, `linear(h, W, b)` (Phi-1/2, CTRL, the BERT-style decoders' prediction
+  heads), with no transform.
 However the logits are taken as rows: 2-D already, `view(-1, V)`, `reshape`, `flatten(0, 1)`
 (canonicalization gives them one form, and the matcher takes rows of 2-D logits as they are); the
 `nn.CrossEntropyLoss` module as the function. A loop that shifts the logits (`logits[:, :-1]`) is
@@ -23,14 +25,17 @@ from .registry import Scalar, pattern
 
 
 def _example(rows, n, dtype, g):
-    """h (rows, n), a weight (3n + 5, n), labels with every 7th ignored; Gemma-2's cap, a scale."""
+    """h (rows, n), a weight (3n + 5, n) and a bias, labels with every 7th ignored; Gemma-2's cap, a
+    scale."""
     V = 3 * n + 5
     h = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(V, n, generator=g) / n**0.5).to(dtype).requires_grad_()
+    bias = torch.randn(V, generator=g).to(dtype).requires_grad_()
     t = torch.randint(0, V, (rows,), generator=g)
     t[::7] = -100
     n_items = torch.tensor(float((t != -100).sum()))
-    return {"h": h, "weight": w, "target": t, "n": n_items, "cap": 30.0, "scale": 0.5, "ignore_index": -100}
+    scalars = {"cap": 30.0, "scale": 0.5, "ignore_index": -100}
+    return {"h": h, "weight": w, "bias": bias, "target": t, "n": n_items, **scalars}
 
 
 _LM = dict(kernel="lm_head_ce", may_withhold=True, example=_example)
@@ -56,6 +61,24 @@ def hf_sum_n(h, weight, target, n, ignore_index: Scalar):
 @pattern("lm_head_ce", spelling="plain_mean", **_LM)
 def plain_mean(h, weight, target, ignore_index: Scalar):
     return _ce(F.linear(h, weight), target, ignore_index, "mean")
+
+
+# --- a biased head (Phi-1/2, CTRL, BERT-style prediction heads) ---
+
+
+@pattern("lm_head_ce", spelling="bias_hf_mean", **_LM)
+def bias_hf_mean(h, weight, bias, target, ignore_index: Scalar):
+    return _ce(F.linear(h, weight, bias).float(), target, ignore_index, "mean")
+
+
+@pattern("lm_head_ce", spelling="bias_hf_sum_n", **_LM)
+def bias_hf_sum_n(h, weight, bias, target, n, ignore_index: Scalar):
+    return _ce(F.linear(h, weight, bias).float(), target, ignore_index, "sum") / n
+
+
+@pattern("lm_head_ce", spelling="bias_plain_mean", **_LM)
+def bias_plain_mean(h, weight, bias, target, ignore_index: Scalar):
+    return _ce(F.linear(h, weight, bias), target, ignore_index, "mean")
 
 
 # --- softcap (Gemma-2, Gemma-3) ---

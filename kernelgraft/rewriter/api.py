@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from .._dynamo import fresh_entry
+from .._dynamo import capture_settings, fresh_entry
 from ..kernels.fallback import warn_once
 from ..kernels.lm_head import explain_markers
 from ..options import Options
@@ -174,12 +174,7 @@ def _call(compiled, model, *args, **kwargs):
 
 
 def _run(compiled, model, *args, **kwargs):
-    # floats the model reads (a norm's eps, a logit scale) stay numbers in the captured graph: with
-    # dynamic=True dynamo would make them inputs, and the patterns that take them as a Scalar
-    # (RMSNorm's eps) would no longer match. A float that changes between calls recompiles instead.
-    # hooks are guarded: a hook registered after the first call recompiles, and then runs (torch.compile
-    # alone skips those guards, and such a hook is never called)
-    with torch._dynamo.config.patch(specialize_float=True, skip_nnmodule_hook_guards=False):
+    with capture_settings():  # floats as numbers, hooks guarded, logging calls no graph break
         out = compiled(model, *args, **kwargs)
     rep = model.kernelgraft_report
     if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)
@@ -243,7 +238,7 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
     # explain shows what a training step would get (the LM head fused) though it captures under no_grad
     grafter = Grafter("eager", patterns, dry_run=True, training=True)
-    with torch.no_grad():
+    with torch.no_grad(), capture_settings():
         torch.compile(fresh_entry("explain"), backend=grafter)(model, *args, **kwargs)
     if grafter.report.graphs == 0:
         raise RuntimeError(

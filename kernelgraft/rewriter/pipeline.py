@@ -120,9 +120,15 @@ def near_misses(g: Graft) -> None:
         if nm is None:
             continue
         key = (nm.module, sp.pattern)
-        if key not in best or nm.matched > best[key].matched:
+        # the most ops lined up; of equals, one that lined up whole and was refused for a reason
+        # (keep_logits, a dtype) over one that differs in an op
+        if key not in best or _rank(nm) > _rank(best[key]):
             best[key] = nm
     g.report.near_misses = list(best.values())
+
+
+def _rank(nm) -> tuple:
+    return nm.matched, not nm.expected
 
 
 # a module whose class name says what it is: the sites a decoder's norms and MLPs should have

@@ -2,11 +2,13 @@
 
 The tokens are taken a chunk at a time. For one chunk:
 
-    z  = h_c @ W^T                     cuBLAS, in W's dtype (as the model's linear rounds)
+    z  = h_c @ W^T [+ b]               cuBLAS, in W's dtype (as the model's linear rounds: with a
+                                       bias, addmm, as F.linear adds it)
     y  = f(z)                          the spelling's logit transform (softcap, scale, cast), generated
     loss_i = logsumexp_v(y_i) - y_i[t_i]     online max and sum over vocab blocks, one pass
     dz = f'(z) * (softmax(y) - onehot(t)) * s   second pass, written over z in place
     dh_c = dz @ W,  dW += dz^T @ h_c  cuBLAS
+    db += sum_rows(dz)                 in float32, rounded once at the end (as eager sums the rows)
 
 so memory beyond the inputs and the gradients is one chunk of logits, sized from the shapes (or
 set). The gradients are formed in the forward, for a loss gradient of 1, and scaled in the
@@ -289,9 +291,12 @@ def forward(
     rounding,
     grad_scale: float | torch.Tensor = 1.0,
     memory: float = 0.0,
+    bias: torch.Tensor | None = None,
+    needs_b: bool = False,
 ):
-    """-> (loss, dh, dW): dh/dW for a loss gradient of `grad_scale` (a number, or a tensor of one
-    value on the device), empty where not needed. chunk, accumulate, memory: see plan()."""
+    """-> (loss, dh, dW, db): the gradients for a loss gradient of `grad_scale` (a number, or a
+    tensor of one value on the device), empty where not needed (db: where there is no bias or
+    needs_b is False). chunk, accumulate, memory: see plan()."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     for name, t in (("h", h), ("weight", W)):
@@ -313,7 +318,8 @@ def forward(
     T = h2.shape[0]
     if t.numel() != T:
         raise ValueError(f"{spelling.qualname}: {t.numel()} labels for {T} hidden rows")
-    grad = needs_h or needs_w
+    needs_b = needs_b and bias is not None
+    grad = needs_h or needs_w or needs_b
     losses = torch.empty(T, dtype=torch.float32, device=dev)
     # mean: over the labels counted; HF's sum / num_items_in_batch: over what the caller counted
     denom = (t != int(ignore_index)).sum().to(torch.float32) if divisor is None else divisor
@@ -328,11 +334,13 @@ def forward(
         if needs_w
         else W.new_empty(0)
     )
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if needs_b else W.new_empty(0)
     BV, warps = _ce_config(V, dev)
     opts = launch_options(rounding, [W.dtype], dev.type)
     for c0, c1 in chunk_bounds(T, C):
         hc = h2[c0:c1]
-        z = hc @ W.t()  # as F.linear computes the logits (W's dtype, one rounding)
+        # as F.linear computes the logits (W's dtype, one rounding; a bias added by addmm's epilogue)
+        z = hc @ W.t() if bias is None else torch.addmm(bias, hc, W.t())
         try:
             fn[(hc.shape[0],)](
                 z,
@@ -351,6 +359,8 @@ def forward(
         except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
             _failed(spelling, W.dtype, rounding, dev, e)
             raise KernelFailed from e
+        if needs_b:
+            db += z.sum(0, dtype=torch.float32)
         if needs_h:
             torch.mm(z, W, out=dh[c0:c1])
         if needs_w:
@@ -367,7 +377,8 @@ def forward(
         dW.zero_()
     if needs_w and acc32:
         dW = narrow_in_place(dW, W.dtype)
-    return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW
+    db = db.to(bias.dtype) if needs_b else db
+    return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW, db
 
 
 class KernelFailed(Exception):

@@ -1,5 +1,5 @@
-"""The LM head's custom op pair: the forward makes the loss and, in training, the gradients (for a
-loss gradient of 1), which wait outside the autograd graph (the stash) until the backward hands
+"""The LM head's custom op pair: the forward makes the loss and, in training, the gradients of h,
+the weight and the bias where the head has one (for a loss gradient of 1), which wait outside the autograd graph (the stash) until the backward hands
 them out, scaled by the loss's incoming gradient. A kernel that failed runs the spelling itself.
 """
 
@@ -18,27 +18,31 @@ from ..spec import SERVED
 from .kernel import KernelFailed, _kernel, forward, kernel_name
 from .transform import transform, transform_graph
 
-ABI = 3  # in every op name (family.op_name): bump it when the ops' schemas change
+ABI = 4  # in every op name (family.op_name): bump it when the ops' schemas change
 
 
-def reference(spelling, named: dict, needs_h: bool, needs_w: bool, grad_scale: float = 1.0) -> tuple:
-    """(loss, dh, dW) from the spelling itself (the stock code, full logits): the path of a kernel
-    that failed."""
+# the differentiable arguments of a spelling, in the order of the op's flags and gradients
+GRADS = ("h", "weight", "bias")
+
+
+def reference(spelling, named: dict, needs: tuple, grad_scale: float = 1.0) -> tuple:
+    """(loss, dh, dW, db) from the spelling itself (the stock code, full logits): the path of a
+    kernel that failed. needs: whether each of GRADS is wanted."""
     named = dict(named, ignore_index=int(named["ignore_index"]))  # the op's schema carries it as a float
-    h, W = named["h"], named["weight"]
-    diff = [n for n, need in (("h", needs_h), ("weight", needs_w)) if need]
+    empty = named["h"].new_empty(0)
+    diff = [n for n, need in zip(GRADS, needs) if need]
     if not diff:
         with torch.no_grad():
-            return spelling.fn(*(named[a] for a in spelling.arg_names)), h.new_empty(0), W.new_empty(0)
+            return spelling.fn(*(named[a] for a in spelling.arg_names)), empty, empty, empty
     loss, got = spelling_vjp(spelling, named, diff, lambda y: torch.ones_like(y) * grad_scale)
-    return loss, got.get("h", h.new_empty(0)), got.get("weight", W.new_empty(0))
+    return (loss, *(got.get(n, empty) for n in GRADS))
 
 
 # The gradients the forward made, until the backward takes them: held here rather than saved in the
 # autograd graph, so the backward can hand them out without a copy (a custom op may not return its
 # input). Each entry lives as long as its ticket (a CPU scalar the graph saves): a graph freed
 # without a backward frees its gradients too.
-_STASH: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_STASH: dict[int, tuple[torch.Tensor, ...]] = {}
 _NEXT = itertools.count(1)
 
 
@@ -46,11 +50,11 @@ def _ticket_like() -> torch.Tensor:
     return torch.empty((), dtype=torch.int64)
 
 
-def _stash(dh: torch.Tensor, dW: torch.Tensor) -> torch.Tensor:
+def _stash(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
     key = next(_NEXT)
     ticket = torch.tensor(key, dtype=torch.int64)
-    if dh.numel() or dW.numel():
-        _STASH[key] = (dh, dW)
+    if any(g.numel() for g in grads):
+        _STASH[key] = grads
         weakref.finalize(ticket, _STASH.pop, key, None)
     return ticket
 
@@ -68,7 +72,7 @@ class LMHeadOp:
         """The loss, from the spelling's own arguments (what gradcheck and benchmarks call)."""
         named = dict(zip(self.spelling.arg_names, args))
         g = torch.is_grad_enabled()
-        flags = (g and named["h"].requires_grad, g and named["weight"].requires_grad)
+        flags = (g and n in named and named[n].requires_grad for n in GRADS)
         return self.fwd(*args, *flags, self.chunk, self.accumulate, self.memory)[0]
 
     def configured(self, chunk: int = 0, accumulate: str = "auto", memory: float = 0.0) -> LMHeadOp:
@@ -77,14 +81,12 @@ class LMHeadOp:
     def bind(self, args: dict, metas: dict, options) -> tuple:
         """The op's call arguments from the matched ones (fx nodes and numbers by spelling name)."""
         sp = self.spelling
-        h, w = metas.get("h"), metas.get("weight")
-        needs_h = bool(h is not None and h.requires_grad and torch.is_grad_enabled())
-        needs_w = bool(w is not None and w.requires_grad and torch.is_grad_enabled())
+        g = torch.is_grad_enabled()
+        needs = (bool(g and metas.get(n) is not None and metas[n].requires_grad) for n in GRADS)
         out = [args[a] if a not in sp.scalar_names else float(args[a]) for a in sp.arg_names]
         return (
             *out,
-            needs_h,
-            needs_w,
+            *needs,
             int(options.lm_head_chunk or 0),
             options.lm_head_accumulate,
             memory_gib(options.lm_head_memory),
@@ -99,6 +101,7 @@ class LMHeadOp:
 # is at most DEFER_FLOPS (about a millisecond on an H200) is deferred: at most that is lost where
 # the GPU sets the pace, and the wait, about three times it, is won where the host does.
 DEFER_FLOPS = 1e12
+FLAGS = ", ".join(f"bool needs_{n}" for n in GRADS)  # the op's flags: which gradients to make
 
 
 def defers(metas: dict) -> bool:
@@ -128,25 +131,27 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
     n_args = len(names)
     tf_scalars = None
 
+    k = len(GRADS)
+
     def unpack(args):
         nonlocal tf_scalars
         named = dict(zip(names, args[:n_args]))
-        needs_h, needs_w, chunk, accumulate, memory = args[n_args:]
+        needs, how = tuple(args[n_args : n_args + k]), args[n_args + k :]  # how: chunk, accumulate, memory
         if tf_scalars is None:
             graph, tf_scalars = transform_graph(sp)
-        return named, needs_h, needs_w, (chunk, accumulate, memory)
+        return named, needs, how
 
     def run(args, grad_scale=1.0):
-        named, needs_h, needs_w, how = unpack(args)
+        named, needs, how = unpack(args)
         W = named["weight"]
         if has_failed(kernel_name(sp, W.dtype, rounding), W.device.type):
-            return reference(sp, named, needs_h, needs_w, grad_scale)
+            return reference(sp, named, needs, grad_scale)
         try:
-            return fused(named, needs_h, needs_w, how, grad_scale)
+            return fused(named, needs, how, grad_scale)
         except KernelFailed:
-            return reference(sp, named, needs_h, needs_w, grad_scale)
+            return reference(sp, named, needs, grad_scale)
 
-    def fused(named, needs_h, needs_w, how, grad_scale):
+    def fused(named, needs, how, grad_scale):
         chunk, accumulate, memory = how
         return forward(
             sp,
@@ -156,24 +161,26 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
             named.get("n"),
             [float(named[x]) for x in tf_scalars],
             named["ignore_index"],
-            needs_h,
-            needs_w,
+            needs[0],
+            needs[1],
             chunk,
             accumulate,
             rounding,
             grad_scale=grad_scale,
             memory=memory,
+            bias=named.get("bias"),
+            needs_b=needs[2],
         )
 
     def impl(*args):
         if deferred:  # the loss only; the backward makes the gradients (the second output: unused)
-            loss, _, _ = run((*args[:n_args], False, False, *args[n_args + 2 :]))
+            loss, *_ = run((*args[:n_args], *(False,) * k, *args[n_args + k :]))
             return loss, loss.new_empty(0)
-        loss, dh, dW = run(args)
-        return loss, _stash(dh, dW)
+        loss, *grads = run(args)
+        return loss, _stash(tuple(grads))
 
     def fake(*args):
-        named, _, _, _ = unpack(args)
+        named, _, _ = unpack(args)
         h, W = named["h"], named["weight"]
         loss = h.new_empty((), dtype=_out_dtype(sp, W.dtype))
         return loss, (loss.new_empty(0) if deferred else _ticket_like())
@@ -185,15 +192,15 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         lib,
         impl,
         mutates_args=(),
-        schema=f"({args_schema}, bool needs_h, bool needs_w, int chunk, str accumulate, float memory) -> (Tensor, Tensor)",
+        schema=f"({args_schema}, {FLAGS}, int chunk, str accumulate, float memory) -> (Tensor, Tensor)",
     )
     op.register_fake(fake)
-    h_idx, w_idx = names.index("h"), names.index("weight")
+    grad_idx = [names.index(n) if n in names else None for n in GRADS]  # h, weight, bias
 
     def bwd_impl(g, ticket, *args):
         if deferred:  # g stays on the device: folded in where the softmax gradient rounds
-            _, dh, dW = run(args, grad_scale=g)
-            return dh, dW
+            _, *grads = run(args, grad_scale=g)
+            return tuple(grads)
         return stashed_bwd(g, ticket, *args)
 
     def stashed_bwd(g, ticket, *args):
@@ -206,29 +213,25 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         got = _STASH.pop(int(ticket), None)
         mant, _ = math.frexp(gv)
         if got is not None and (gv == 0.0 or abs(mant) == 0.5):
-            dh, dW = got
             if gv != 1.0:
-                dh.mul_(gv)
-                dW.mul_(gv)
-            return dh, dW
+                for t in got:
+                    t.mul_(gv)
+            return got
         del got
-        _, dh, dW = run(args, grad_scale=gv)
-        return dh, dW
+        _, *grads = run(args, grad_scale=gv)
+        return tuple(grads)
 
     def bwd_fake(g, ticket, *args):
-        named, needs_h, needs_w, _ = unpack(args)
-        h, W = named["h"], named["weight"]
-        return (
-            torch.empty_like(h) if needs_h else h.new_empty(0),
-            torch.empty_like(W) if needs_w else W.new_empty(0),
-        )
+        named, needs, _ = unpack(args)
+        empty = named["h"].new_empty(0)
+        return tuple(torch.empty_like(named[n]) if need else empty for n, need in zip(GRADS, needs))
 
     bwd = torch.library.custom_op(
         f"{lib}_bwd",
         bwd_impl,
         mutates_args=(),
-        schema=f"(Tensor g, Tensor ticket, {args_schema}, bool needs_h, bool needs_w, int chunk, "
-        "str accumulate, float memory) -> (Tensor, Tensor)",
+        schema=f"(Tensor g, Tensor ticket, {args_schema}, {FLAGS}, int chunk, "
+        "str accumulate, float memory) -> (Tensor, Tensor, Tensor)",
     )
     bwd.register_fake(bwd_fake)
     bwd_op = getattr(torch.ops.kernelgraft, f"{name}_bwd").default
@@ -239,15 +242,13 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         ctx.set_materialize_grads(False)
 
     def backward(ctx, g, _ticket):
-        grads = [None] * (n_args + 5)
+        grads = [None] * (n_args + k + 3)
         if g is None:
             return tuple(grads)
         (ticket,), args = saved_inputs(ctx, tensor_idx, 1)
-        gh, gw = bwd_op(g, ticket, *args)
-        if ctx.needs_input_grad[h_idx] and gh.numel():
-            grads[h_idx] = gh.view(args[h_idx].shape)
-        if ctx.needs_input_grad[w_idx] and gw.numel():
-            grads[w_idx] = gw
+        for i, got in zip(grad_idx, bwd_op(g, ticket, *args)):
+            if i is not None and ctx.needs_input_grad[i] and got.numel():
+                grads[i] = got.view(args[i].shape)
         return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)
@@ -280,6 +281,10 @@ def refusal(spelling, metas: dict, rounding: str, training: bool) -> str | None:
         return f"weight {tuple(W.shape)} does not multiply h {tuple(h.shape)}"
     if h.dtype != W.dtype or W.dtype not in SERVED:
         return f"h is {h.dtype} and the weight {W.dtype}; the fused LM head serves one of {SERVED}"
+    b = metas.get("bias")
+    if "bias" in spelling.arg_names and (b is None or b.shape != W.shape[:1] or b.dtype != W.dtype):
+        got = "no shape/dtype recorded" if b is None else f"{tuple(b.shape)} {b.dtype}"
+        return f"bias {got}: the fused LM head adds a bias of the weight's rows ({W.shape[0]},) in {W.dtype}"
     if t.dtype.is_floating_point or t.dtype == torch.bool:
         return f"target is {t.dtype}; class indices (integers) are served, probabilities are not"
     if len({x.device.type for x in (h, W, t)}) > 1:

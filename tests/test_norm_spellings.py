@@ -115,3 +115,23 @@ def test_torchs_rms_norm_without_a_weight_is_read_as_its_primitives(dtype):
     assert [u.module for u in rep.unserved] == ["weighted"] and "rms_norm" in rep.unserved[0].reason
     v = judge("grad x", runs["truth"], runs["kg"], runs["eager"])
     assert v.ok, str(v)
+
+
+class TwoNorms(nn.Module):
+    """NanoChat's shape: a weightless norm whose output (cast back with type_as) the next norm
+    upcasts again, while the residual stream reads it too."""
+
+    def __init__(self, n=64):
+        super().__init__()
+        self.a, self.b = WeightlessNorm(), WeightlessNorm()
+        self.lin = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        h = self.a(x)
+        return (h + self.lin(self.b(h))).sin().sum()
+
+
+def test_a_norm_read_again_by_the_next_norm_leaves_both_served():
+    x = torch.randn(2, 5, 64)
+    rep = kernelgraft.explain(TwoNorms(), x)
+    assert [s.spelling for s in rep.sites] == ["no_weight", "no_weight"], str(rep)

@@ -145,6 +145,11 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             node = b.new("interleave2", stacked.args, fx=n)
             node.cover.extend(stacked.cover)  # the stack is part of what the interleave stands for
             return node
+    if (target in VIEWS or target in ("reshape_as", "view_as")) and args and _merges_a_stack(args[0], n):
+        # stack((a, b), -1).reshape(..., 2 D) (reshape_as(x), view(...)): the flatten above, in a model
+        node = b.new("interleave2", args[0].args, fx=n)
+        node.cover.extend(args[0].cover)
+        return node
     if target in (torch.cat, torch.concat) and len(args[0] if args else ()) == 2:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if dim == -1 or (dim is not None and _rank(n.meta.get("example_value")) == dim + 1):
@@ -198,6 +203,15 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
 
 
 _LOW = (torch.bfloat16, torch.float16)
+
+
+def _merges_a_stack(x, n: torch.fx.Node) -> bool:
+    """n views a last-dim stack2 x (..., D, 2) as (..., 2 D): its shape recorded by dynamo."""
+    if not isinstance(x, CNode) or x.op != "stack2" or not isinstance(x.meta, torch.Tensor):
+        return False
+    out = n.meta.get("example_value")
+    src = tuple(x.meta.shape)
+    return isinstance(out, torch.Tensor) and len(src) >= 2 and tuple(out.shape) == (*src[:-2], src[-2] * 2)
 
 
 def _autocast_inputs(b: _Builder, n: torch.fx.Node, args) -> list:

@@ -42,6 +42,14 @@ RULES: list[tuple[str, Any]] = [
         "interleave2",
         lambda a, b: ("rotate_pairs", (b.args[0],)) if _rotates(a, b, "pairs") else None,
     ),  # stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) -> rotate_pairs(x)
+    (
+        "cat2",
+        lambda a, b: ("neg", (_fresh("rotate_half", (a.args[0],), a),)) if _rotates(b, a, back=True) else None,
+    ),  # cat(x2, -x1) -> -rotate_half(x): the rotation the other way
+    (
+        "interleave2",
+        lambda a, b: ("neg", (_fresh("rotate_pairs", (a.args[0],), a),)) if _rotates(b, a, "pairs", True) else None,
+    ),  # stack((x[..., 1::2], -x[..., ::2]), -1).flatten(-2) -> -rotate_pairs(x)
     ("row_slice", lambda z: _sliced_linear(z)),  # linear(h, W[, b])[rows] -> linear(h[rows], W[, b])
 ]
 
@@ -85,20 +93,28 @@ def _made(h: CNode, index: tuple) -> CNode | None:
 
 
 def _recast(a, dt) -> bool:
-    """a is a cast to dt already (a model's `logits.float()` that the loss function casts again)."""
-    return _is(a, "cast") and isinstance(dt, torch.dtype) and a.args[1] == dt
+    """a is a cast to dt already (a model's `logits.float()` that the loss function casts again),
+    read by nothing else than this cast and the graph's output: merged into this cast, it leaves
+    no value another site or the model reads (a norm's output, cast again by the next norm, stays
+    its own node)."""
+    if not (_is(a, "cast") and isinstance(dt, torch.dtype) and a.args[1] == dt) or a.fx is None:
+        return False
+    return sum(u.op != "output" for u in a.fx.users) <= 1
 
 
-def _rotates(a, b, parts: str = "half") -> bool:
+def _rotates(a, b, parts: str = "half", back: bool = False) -> bool:
     """Two parts of one tensor, the second negated and put first: cat((-x[..., D/2:], x[..., :D/2]))
     of its halves ("half"), or interleave(-x[..., 1::2], x[..., ::2]) of its (even, odd) pairs
-    ("pairs")."""
+    ("pairs"). back: the rotation the other way, read from its second part first (the caller
+    passes cat((x[..., D/2:], -x[..., :D/2])) as (-x[..., :D/2], x[..., D/2:])): a the negated
+    first part, b the second."""
+    neg, plain = (0, 1) if back else (1, 0)
     return (
         _is(a, "neg")
         and _is(a.args[0], parts)
-        and a.args[0].attr("part") == 1
+        and a.args[0].attr("part") == neg
         and _is(b, parts)
-        and b.attr("part") == 0
+        and b.attr("part") == plain
         and a.args[0].args[0] is b.args[0]
     )
 

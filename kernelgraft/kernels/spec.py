@@ -76,6 +76,14 @@ def permuted(sym: sympy.Symbol) -> sympy.Symbol:
     return sympy.Symbol(n[:-3] if n.endswith("__p") else n + "__p")
 
 
+def _loaded(c) -> bool:
+    """c is a tensor argument, or a cast of one (ModernBERT rotates q.float()): a value the kernel
+    has as it loads it, at any column."""
+    if isinstance(c, CNode) and c.op == "cast":
+        c = c.args[0]
+    return isinstance(c, CNode) and c.op == "input" and c.attr("kind") != "scalar"
+
+
 def _promote(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
     if a is None:
         return b
@@ -165,12 +173,14 @@ def build_spec(
             continue
         if n.op in ROTATIONS:  # exact (a sign and a permutation): no rounding
             x = arg(n.args[0])
-            if x.inputs or x.level not in ("elem", "col"):
+            if not _loaded(n.args[0]) or x.level not in ("elem", "col"):
                 raise Unsupported(f"{n.op} of a computed value: kernels permute tensors as they load them")
             if rotation not in (None, ROTATIONS[n.op]):
                 raise Unsupported("the pattern rotates both halves and pairs: kernels read one permutation")
             rotation = ROTATIONS[n.op]
-            val[n] = SNode(SGN * permuted(x.value), x.dtype, x.level, (x,), None, name=n.name, permuted=True)
+            # the argument read at the rotated column (a cast of it: the cast of what is read there)
+            at = x.value.xreplace({s: permuted(s) for s in x.value.free_symbols if s in symbols.values()})
+            val[n] = SNode(SGN * at, x.dtype, x.level, (x,), None, name=n.name, permuted=True)
             nodes.append(val[n])
             continue
         prim = PRIMITIVES.get(n.op)

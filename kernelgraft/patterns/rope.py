@@ -56,3 +56,35 @@ def rope_interleaved(x, cos, sin):
     x2 = x[..., 1::2]
     rotated = torch.stack((-x2, x1), dim=-1).flatten(-2)
     return x * cos + rotated * sin
+
+
+@pattern("rope", spelling="rotate_half_back", extra_check=dtype_check, example=_example)
+def rope_rotate_half_back(x, cos, sin):
+    h = x.shape[-1] // 2
+    rotated = torch.cat((x[..., h:], -x[..., :h]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _example_float32(rows, n, dtype, g):
+    """As _example, cos and sin left in float32 (a spelling that computes in float32)."""
+    ex = _example(rows, n, torch.float32, g)
+    return {"x": ex["x"].detach().to(dtype).requires_grad_(), "cos": ex["cos"], "sin": ex["sin"]}
+
+
+def _example_pairs_float32(rows, n, dtype, g):
+    ex = _example_pairs(rows, n, torch.float32, g)
+    return {"x": ex["x"].detach().to(dtype).requires_grad_(), "cos": ex["cos"], "sin": ex["sin"]}
+
+
+@pattern("rope", spelling="rotate_half_float32", extra_check=dtype_check, example=_example_float32)
+def rope_rotate_half_float32(x, cos, sin):
+    xf = x.float()
+    h = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@pattern("rope", spelling="interleaved_float32", extra_check=_pairs_check, example=_example_pairs_float32)
+def rope_interleaved_float32(x, cos, sin):
+    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -1,0 +1,94 @@
+"""RoPE as other decoders spell it, each served by the spelling that says so and by the rule in a
+model: the rotation the other way (`cat(x2, -x1)`), the interleaved pairs viewed back with
+`reshape_as`, the product computed in float32 with q upcast first or the rotated q upcast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kernelgraft
+from kernelgraft.gradcheck import judge
+
+D = 16
+
+
+def _back(x):  # the rotation the other way: cat(x2, -x1)
+    return torch.cat((x[..., D // 2 :], -x[..., : D // 2]), dim=-1)
+
+
+def _pairs_reshape_as(x):  # the interleaved rotation, viewed back as x
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x)
+
+
+def _half(x):
+    return torch.cat((-x[..., D // 2 :], x[..., : D // 2]), dim=-1)
+
+
+def _pairs(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+SPELLINGS = {  # how: (rope(q, cos, sin), the spelling that serves it, cos/sin in float32)
+    "rotation the other way": (lambda q, c, s: q * c + _back(q) * s, "rotate_half_back", False),
+    "pairs, reshape_as": (lambda q, c, s: q * c + _pairs_reshape_as(q) * s, "interleaved", False),
+    "q upcast, then rotated": (
+        lambda q, c, s: (q.float() * c + _half(q.float()) * s).to(q.dtype),
+        "rotate_half_float32",
+        False,
+    ),
+    "rotated, then upcast": (
+        lambda q, c, s: (q.float() * c + _pairs(q).float() * s).to(q.dtype),
+        "interleaved_float32",
+        True,
+    ),
+}
+
+
+class Rotary(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.rope, _, self.fp32 = SPELLINGS[how]
+        self.proj = nn.Linear(32, 4 * D, bias=False)
+        self.pairs = "pairs" in how or "rotated, then" in how
+
+    def forward(self, x, angles):
+        B, S, _ = x.shape
+        q = self.proj(x).view(B, S, 4, D).transpose(1, 2)
+        ang = angles.repeat_interleave(2, -1) if self.pairs else angles.repeat(1, 2)
+        dt = torch.float32 if self.fp32 else x.dtype
+        cos, sin = ang.cos().to(dt)[None, None], ang.sin().to(dt)[None, None]
+        return self.rope(q, cos, sin).sin().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("how", list(SPELLINGS))
+def test_each_rope_spelling_is_served_by_the_rule(how, dtype):
+    torch.manual_seed(0)
+    stock = Rotary(how).to(dtype)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    truth = copy.deepcopy(stock).double()
+    runs = {"truth": [], "eager": [], "kg": []}
+    for seed in range(4):  # each quantity judged over four batches: one draw of rounding is luck
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, 6, 32, generator=g).to(dtype)
+        angles = torch.randn(6, D // 2, generator=g)
+        for name, m in (("truth", truth), ("eager", stock), ("kg", mine)):
+            xin = (x.double() if name == "truth" else x).clone().requires_grad_()
+            loss = m(xin, angles.double() if name == "truth" else angles)
+            loss.backward()
+            runs[name].append([loss.detach(), xin.grad, m.proj.weight.grad.clone()])
+            m.zero_grad()
+    rep = mine.kernelgraft_report
+    assert [(s.pattern, s.spelling) for s in rep.sites] == [("rope", SPELLINGS[how][1])], str(rep)
+    joined = {k: [torch.cat([r[i].reshape(-1) for r in v]) for i in range(3)] for k, v in runs.items()}
+    verdicts = [
+        judge(what, t, k, e)
+        for what, t, e, k in zip(
+            ("loss", "grad x", "grad proj"), joined["truth"], joined["eager"], joined["kg"]
+        )
+    ]
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]

@@ -78,6 +78,19 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def hf_layer_norm(x, w, b, eps=1e-5):  # nn.LayerNorm's call (GPT-NeoX, Phi, StarCoder2, OPT...)
+    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
+def _rotate_pairs(x):  # GLM, Cohere, GPT-J: adjacent columns rotated
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def hf_rope_pairs(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_pairs(q) * sin, k * cos + _rotate_pairs(k) * sin
+
+
 def _liger(name):
     try:
         if name == "rms":
@@ -92,6 +105,10 @@ def _liger(name):
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
             return LigerSiLUMulFunction.apply
+        if name == "ln":
+            from liger_kernel.transformers.functional import liger_layer_norm
+
+            return lambda x, w, b: liger_layer_norm(x, w, b, 1e-5)
     except Exception as e:  # noqa: BLE001 - an optional peer
         print(f"liger {name} unavailable: {e}", flush=True)
     return None
@@ -121,15 +138,25 @@ def pattern_cases(quick: bool):
 
         return f"RMSNorm {M}x{N}", hf_rms, "rms", make, 2 * 2 * M * N * 2  # x, y fwd; dy, dx bwd
 
-    def rope(B, Hq, Hk, S, D):
+    def rope(B, Hq, Hk, S, D, pairs=False):
         def make():
             q = torch.randn(B, S, Hq, D, **bf).transpose(1, 2).requires_grad_()
             k = torch.randn(B, S, Hk, D, **bf).transpose(1, 2).requires_grad_()
-            ang = torch.randn(B, S, D // 2, device="cuda").repeat(1, 1, 2)  # cat(freqs, freqs)
+            ang = torch.randn(B, S, D // 2, device="cuda")
+            # cat(freqs, freqs); interleaved: each angle repeated for its pair
+            ang = ang.repeat_interleave(2, dim=-1) if pairs else ang.repeat(1, 1, 2)
             return q, k, ang.cos().bfloat16(), ang.sin().bfloat16()
 
         n = B * S * (Hq + Hk) * D
-        return f"RoPE q {B}x{Hq}x{S}x{D}, k {B}x{Hk}x{S}x{D}", hf_rope, "rope", make, 4 * n * 2
+        name = f"RoPE{' interleaved' if pairs else ''} q {B}x{Hq}x{S}x{D}, k {B}x{Hk}x{S}x{D}"
+        return name, hf_rope_pairs if pairs else hf_rope, "-" if pairs else "rope", make, 4 * n * 2
+
+    def ln(M, N):
+        def make():
+            x = torch.randn(M, N, **bf).requires_grad_()
+            return x, torch.randn(N, **bf).requires_grad_(), torch.randn(N, **bf).requires_grad_()
+
+        return f"LayerNorm {M}x{N}", hf_layer_norm, "ln", make, 2 * 2 * M * N * 2
 
     def mlp(M, N):
         def make():
@@ -138,6 +165,7 @@ def pattern_cases(quick: bool):
         return f"SwiGLU {M}x{N}", swiglu, "swiglu", make, 7 * M * N * 2
 
     cases = [rms(16384, 4096), rope(8, 32, 8, 2048, 128), mlp(16384, 14336)]  # the reference shapes
+    cases += [ln(16384, 4096), rope(8, 32, 8, 2048, 128, pairs=True)]
     if not quick:
         cases += [rms(M, 4096) for M in (1024, 4096, 65536)] + [rms(4096, N) for N in (2048, 8192)]
         cases += [rope(B, 32, 8, 2048, 128) for B in (1, 2)] + [mlp(M, 8192) for M in (4096, 32768)]
@@ -228,6 +256,20 @@ SHAPES = {
                  tie_word_embeddings=True),
     ),
 }  # fmt: skip
+# decoders with a LayerNorm and with interleaved RoPE: Pythia-1B's shape (GPT-NeoX: LayerNorm with
+# bias, a quarter of each head rotated, a GELU MLP, parallel residual); GLM-4-9B's shape at 10 of
+# its 40 layers (interleaved RoPE on half of each head, a fused gate_up projection)
+SHAPES["pythia-1b 8x2048"] = dict(
+    arch="gpt_neox", B=8, S=2048,
+    cfg=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
+             vocab_size=50304, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
+)  # fmt: skip
+SHAPES["glm4-9b-10l 2x4096"] = dict(
+    arch="glm4", B=2, S=4096,
+    cfg=dict(hidden_size=4096, intermediate_size=13696, num_hidden_layers=10, num_attention_heads=32,
+             num_key_value_heads=2, head_dim=128, vocab_size=151552, partial_rotary_factor=0.5,
+             tie_word_embeddings=False),
+)  # fmt: skip
 SHAPES["llama-1b LoRA 8x2048"]["cfg"] = SHAPES["llama-1b 8x2048"]["cfg"]
 SHAPES["llama-8b LoRA 2x4096"]["cfg"] = SHAPES["llama-8b 2x4096"]["cfg"]
 MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)", "liger")

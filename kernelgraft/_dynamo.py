@@ -13,10 +13,27 @@ import torch
 _LOGGING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log")
 
 
+class _Method(str):
+    """A Logger method as dynamo's ignore set holds it: equal to (and hashed as) the function, and
+    otherwise its name (a string), since some torch releases sort that set and write it as JSON
+    when they log their settings."""
+
+    def __new__(cls, fn):
+        self = super().__new__(cls, getattr(fn, "__qualname__", repr(fn)))
+        self.fn = fn
+        return self
+
+    def __eq__(self, other):
+        return other is self.fn or (isinstance(other, _Method) and other.fn is self.fn)
+
+    def __hash__(self):
+        return hash(self.fn)
+
+
 def logging_functions() -> set:
     """logging.Logger's methods, plain and any a library added (`warning_once`, `info_once`...)."""
     names = {*_LOGGING, *(n for n in dir(logging.Logger) if n.endswith(("_once", "_advice")))}
-    return {f for n in names if callable(f := getattr(logging.Logger, n, None))}
+    return {_Method(f) for n in names if callable(f := getattr(logging.Logger, n, None))}
 
 
 @contextlib.contextmanager

@@ -83,11 +83,14 @@ def _lora_layer(launch: str):
     return (y.detach(), dict(grads, x=x.grad.clone())), m.kernelgraft_report
 
 
-def test_lora_launched_by_inductor_gives_the_bits_of_the_python_launcher():
+def test_lora_launched_by_inductor_gives_the_bits_of_the_python_launcher(monkeypatch):
     """A LoRA layer's kernels (float32 adapters) launched by inductor's code give the bits of the
     Python launcher's: the output, x's and the adapters' gradients. (Whole models are compared by
     the rule below: with the adapters' ops opaque or traced, inductor lays out the base model's
     matmuls differently, and cuBLAS rounds those differently.)"""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    monkeypatch.setattr(lk, "TRACED", True)  # the traced path, off by default (kernel._options)
     host, _ = _lora_layer("host")
     traced, report = _lora_layer("inductor")
     assert report.counts() == {"lora": 1} and report.launched_by["inductor"] > 0, report
@@ -96,10 +99,18 @@ def test_lora_launched_by_inductor_gives_the_bits_of_the_python_launcher():
     _same_bits(host, traced)
 
 
-def test_a_lora_model_launched_by_inductor_passes_the_rule():
-    """peft LoRA on every linear of a bf16 tiny Llama, every kernelgraft kernel launched by
-    inductor's code: loss and every adapter gradient by the accuracy rule beside eager and
-    torch.compile (the parts not grafted are inductor's, rounded as torch.compile rounds them)."""
+@pytest.mark.parametrize(
+    "traced", [False, True], ids=["lora host-launched (default)", "lora launched by inductor"]
+)
+def test_a_lora_model_under_inductor_passes_the_rule(monkeypatch, traced):
+    """peft LoRA on every linear of a bf16 tiny Llama under the inductor backend: loss and every
+    adapter gradient by the accuracy rule beside eager and torch.compile (the parts not grafted are
+    inductor's, rounded as torch.compile rounds them). The LoRA kernels launched from the host (the
+    default), and launched by inductor's code beside the row kernels: that combination failed here
+    (adapter gradients 0.5 off) and stays off by default until it passes."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    monkeypatch.setattr(lk, "TRACED", traced)
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -116,7 +127,12 @@ def test_a_lora_model_launched_by_inductor_passes_the_rule():
     assert not bad, "\n".join(bad)
     report = mine.kernelgraft_report
     assert report.counts()["lora"] == 7 * stock.config.num_hidden_layers
-    assert not [k for k in report.launched_by if k.startswith("host")], report.launched_by
+    host = [k for k in report.launched_by if k.startswith("host")]
+    if traced:
+        assert not host, report.launched_by
+    else:  # only the LoRA calls, saying why
+        assert host and all("wrong gradients" in k for k in host), report.launched_by
+    assert report.launched_by["inductor"] > 0, report.launched_by
 
 
 class _Spelled(torch.nn.Module):

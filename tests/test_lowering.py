@@ -388,6 +388,7 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     row splits for dA and dB; run here, they give the Python launcher's bits with the same tiles."""
     from kernelgraft.kernels.lora import kernel as lk
 
+    monkeypatch.setattr(lk, "TRACED", True)  # the traced path, off by default (kernel._options)
     sp = REGISTRY.get("lora", "peft")
     gen = torch.Generator().manual_seed(3)
     x, res = torch.randn(600, 96, generator=gen).bfloat16(), torch.randn(600, 40, generator=gen).bfloat16()
@@ -422,6 +423,18 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     want = [out, *lk.backward(g, x, a, b, u, 2.0, (True, True, True))]
     for what, k, w in zip(("out", "dx", "dA", "dB"), got, want):
         assert torch.equal(k, w), what
+
+
+def test_lora_stays_a_host_launch_by_default_and_says_why():
+    sp = REGISTRY.get("lora", "peft")
+    x, res = torch.randn(16, 32).bfloat16(), torch.randn(16, 24).bfloat16()
+    a, b = torch.randn(4, 32), torch.randn(24, 4)
+    op = kernelgraft.kernels.op_for(sp)
+    gm = _graph(lambda x, res, a, b: list(op.fwd(x, res, a, b, 2.0)), [x, res, a, b])
+    counts = launch_in_graph(gm.graph)
+    assert counts["inductor"] == 0
+    (why,) = [k for k in counts if k.startswith("host:")]
+    assert "wrong gradients on the GPU" in why
 
 
 def test_lora_with_2_byte_adapters_stays_a_host_launch_and_says_why():

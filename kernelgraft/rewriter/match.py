@@ -311,16 +311,20 @@ def _fed_by_bound_input(first, tensors: dict, depth: int = 4) -> bool:
     return bool(bound & set(frontier))
 
 
-def near_miss(sp, n_ops: int, anchor, f: Failure) -> NearMiss | None:
+def near_miss(sp, n_ops: int, anchor, f: Failure, taken=frozenset()) -> NearMiss | None:
     """A failed attempt worth reporting: at least half the pattern lines up, and what lines up, or
     where it differs, is an op that says something (a reduction, rsqrt, rotate_half, an activation),
-    not only multiplies and casts that any code has."""
+    not only multiplies and casts that any code has. Not where it differs at a node a served site
+    replaced (`taken`: Cohere's float32 rotation, served, then cast back, resembles a float32
+    spelling that differs only inside the served site)."""
     pg = sp.canonical()
     score, first = resemble(pg.output, anchor, {})
     if f.matched >= score:  # the matcher got as far: its reason is the more precise one
         score, first, reason = f.matched, (f.pnode, f.mnode), f.reason
     else:
         reason = f"expected {describe(first[0])}, got {describe(first[1])}" if first else f.reason
+    if first is not None and isinstance(first[1], CNode) and any(x in taken for x in first[1].cover):
+        return None
     generic = sum(1 for n in pg.nodes if n.op in _GENERIC and n.op != "input")
     differs_at_distinctive = (
         first is not None

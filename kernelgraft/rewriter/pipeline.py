@@ -116,7 +116,7 @@ def near_misses(g: Graft) -> None:
     for sp, n_ops, anchor, f in g.failures:
         if anchor.fx in g.taken:
             continue
-        nm = near_miss(sp, n_ops, anchor, f)
+        nm = near_miss(sp, n_ops, anchor, f, g.taken)
         if nm is None:
             continue
         key = (nm.module, sp.pattern)

@@ -61,6 +61,14 @@ def rms_norm_no_weight(x, eps: Scalar):
     return h.to(x.dtype)
 
 
+@pattern("rms_norm", spelling="l2", extra_check=dtype_check, example=_example_no_weight, recompute=True)
+def rms_norm_l2(x, eps: Scalar):
+    """The L2 norm of a row, no weight (Dory's L2Norm): the sum of squares where RMSNorm takes their mean."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
+
+
 @pattern(
     "rms_norm",
     spelling="no_weight_scale",

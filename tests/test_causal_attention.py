@@ -251,3 +251,24 @@ def test_verdict_on_masks_directly():
     assert causal_verdict(torch.zeros(4, 4).masked_fill(~tril, -1e4), 4, 4) is not None  # not -inf enough
     assert causal_verdict(tril.float(), 4, 4) is not None  # a 0/1 float mask adds 1: not causal
     assert causal_verdict(tril, 4, 5) is not None
+
+
+class KeysBuiltInPlace(torch.nn.Module):
+    """DeepSeek's MLA builds its keys in place: an empty tensor, then its two parts copied into
+    slices of it (`k[..., :d].copy_(k_nope)`: nothing reads the copies' results)."""
+
+    def forward(self, q, k, v):
+        L = q.shape[-2]
+        keys = k.new_empty(*k.shape[:-1], 2 * k.shape[-1])
+        keys[..., : k.shape[-1]].copy_(k)
+        keys[..., k.shape[-1] :].copy_(k * 0.5)
+        m = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(torch.cat((q, q), -1), keys, v, attn_mask=m)
+
+
+def test_the_writes_into_keys_built_in_place_survive_the_rewrite():
+    args = qkv()
+    stock = KeysBuiltInPlace()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    assert_as_stock(stock, mine, args)
+    assert mine.kernelgraft_report.counts() == {"sdpa": 1}

@@ -269,10 +269,31 @@ def make_causal(
         unique = {c.key + repr(c.inputs): c for c in checks}  # q's and k's layers share one mask
         gm.meta[META] = list(unique.values())
     if done and edit:
-        gm.graph.eliminate_dead_code()
+        drop_dead_code(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return done, kept
+
+
+def _writes(n: torch.fx.Node) -> bool:
+    """n writes into a tensor (an in-place method or op: `view.copy_(x)`, `x.add_(y)`, setitem), or
+    fx knows it has effects: it stays though nothing reads its result."""
+    if n.op in ("placeholder", "output") or n.is_impure():
+        return True
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._schema.is_mutable
+    return n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
+
+
+def drop_dead_code(graph: torch.fx.Graph) -> None:
+    """The nodes nothing reads (the masks the rewrite no longer passes), dropped; a write into a
+    tensor is kept. fx's own dead-code pass removes a `copy_` into a view whose result is unused:
+    DeepSeek's MLA builds its keys as `k = new_empty(...); k[..., :d] = k_nope` (a view, then
+    `copy_`), and the keys would be left empty."""
+    for n in reversed(list(graph.nodes)):
+        if not n.users and not _writes(n):
+            graph.erase_node(n)
 
 
 def _set_args(n: torch.fx.Node, **values) -> None:

@@ -213,3 +213,25 @@ def test_the_every_decoder_survey_counts_sites_from_the_model():
     text = coverage_all.table([llama, missing])
     assert text.startswith("1 of 2 causal-LM architectures fully served (2 built from a tiny config).")
     assert "| llama | full | 5/5 | 4/4 | 2/2 | 1/1 |  |" in text and "| partial | 5/5 | 0/4 |" in text
+
+
+def test_the_survey_repairs_a_tiny_config_and_counts_only_checked_gradients():
+    """tests/coverage_all.py: an architecture tests/tiny.py's config cannot build is rebuilt from its
+    default config made tiny by attribute names (MLA's head dims and kv heads tied, a hybrid's two
+    layers one of each kind); a row whose sites are all served but whose gradients fail is "grads",
+    and the first line counts it out."""
+    import coverage_all
+
+    mla = coverage_all.repaired_config("deepseek_v3")
+    assert (mla.hidden_size, mla.num_hidden_layers, mla.vocab_size) == (64, 2, 128)
+    assert mla.head_dim == mla.qk_rope_head_dim == 8 and mla.num_key_value_heads == mla.num_attention_heads
+    hybrid = coverage_all.repaired_config("qwen3_next")
+    assert hybrid.layer_types == ["linear_attention", "full_attention"] and not hybrid.use_cache
+    gptj = coverage_all.survey("gptj", grads=False)  # rotary_dim 64 > head dim 16 in the tiny config
+    assert gptj["repaired"] and gptj["status"] == "full" and gptj["grads"] == "not checked"
+    passed = dict(gptj, grads="fp32, bf16")
+    failed = dict(gptj, arch="x", status="grads", grads="failed", why="float32: 1 of 9 fail")
+    text = coverage_all.table([passed, failed])
+    assert text.startswith("1 of 2 causal-LM architectures fully served (2 built from a tiny config).")
+    assert "| gptj (repaired config) | full | 3/3 | 4/4 | - | 1/1 |  | fp32, bf16 |" in text
+    assert "| x (repaired config) | grads | 3/3 | 4/4 | - | 1/1 | float32: 1 of 9 fail | failed |" in text

@@ -56,8 +56,8 @@ ROPE_HELPERS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "appl
 
 @contextlib.contextmanager
 def _rope_calls(model, calls: Counter):
-    """While inside: the calls of the modeling file's RoPE helper (transformers' convention: q and k
-    rotated per call) counted as calls["rope_helper"] (2 per call), where the file has one. Attention
+    """While inside: the tensors the modeling file's RoPE helper rotates (the tensors each call
+    returns: q and k, or one) counted as calls["rope_helper"], where the file has one. Attention
     modules that do not rotate (NoPE layers of a hybrid, linear attention) then expect no RoPE."""
     mod = sys.modules.get(type(model).__module__)
     names = [n for n in ROPE_HELPERS if callable(getattr(mod, n, None))]
@@ -65,8 +65,9 @@ def _rope_calls(model, calls: Counter):
 
     def counted(fn):
         def call(*a, **k):
-            calls["rope_helper"] += 2
-            return fn(*a, **k)
+            out = fn(*a, **k)  # (q, k) rotated, or one tensor (GPT-J rotates one per call)
+            calls["rope_helper"] += len(out) if isinstance(out, (tuple, list)) else 1
+            return out
 
         return call
 

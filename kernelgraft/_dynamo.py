@@ -42,9 +42,9 @@ def capture_settings():
     - floats the model reads (a norm's eps, a logit scale) stay numbers in the graph: with
       dynamic shapes dynamo would make them inputs, and the patterns that take them as a Scalar
       (RMSNorm's eps) would no longer match; a float that changes between calls recompiles;
-    - hooks are guarded: a hook registered after the first call recompiles, and then runs
+    - hooks are guarded: a hook registered after the first run recompiles, and then runs
       (torch.compile alone skips those guards, and such a hook is never called);
-    - a logging call in the model (transformers' `logger.warning_once` in `loss_function`, which
+    - a logging statement in the model (transformers' `logger.warning_once` in `loss_function`, which
       splits GPT-2's graph between its LM head and its loss) is dropped, not a graph break:
       the message is not printed while the model runs compiled."""
     cfg = torch._dynamo.config

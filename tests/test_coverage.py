@@ -18,10 +18,10 @@ from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
 
+# one architecture per structure the suite checks in CI; the rest (Mistral and Qwen2 as Llama,
+# GLM-4 as GLM with sandwich norms...) are checked with their gradients by `make coverage`
 ARCHS = [
     "llama",
-    "mistral",
-    "qwen2",
     "qwen3",
     "gemma",
     "gemma2",
@@ -34,7 +34,6 @@ ARCHS = [
     "gpt_neox",  # LayerNorm with bias, partial rotary, a GELU MLP (not gated)
     "cohere",  # a hand-written float32 LayerNorm, interleaved RoPE
     "glm",  # interleaved RoPE on half the head, a fused gate_up projection
-    "glm4",
     "helium",  # interleaved RoPE
 ]
 # the same matrix on the GPU (compiled Triton instead of the interpreter): `pytest -m gpu`

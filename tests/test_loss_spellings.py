@@ -53,7 +53,7 @@ class Loop(torch.nn.Module):
             return F.cross_entropy(z.float()[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
         if how == "upcast twice":  # a model's logits.float(), and the loss function's own
             return F.cross_entropy(z.float().float().view(-1, V), y.view(-1))
-        if how == "a log call between":  # dynamo breaks the graph at a logging call, unless told not to
+        if how == "logging in between":  # dynamo breaks the graph at a logging statement, unless told not to
             _log.debug("the loss of %s", how)
             return F.cross_entropy(z.float().view(-1, V), y.view(-1))
         if how == "a bias, upcast":
@@ -75,7 +75,7 @@ SPELLINGS = [
     "shift, upcast",
     "upcast, then shift",
     "upcast twice",
-    "a log call between",
+    "logging in between",
     "a bias, upcast",
     "a bias, shift in the loop",
 ]

@@ -376,7 +376,7 @@ def torchrun_cmd(a, setup: str, world: int, mode: str, run_dir: str) -> list[str
 
 def stop_run(p: subprocess.Popen, run_dir: str) -> None:
     """After a timeout: end the torchrun we started (SIGTERM: it stops its workers, waiting up to
-    30 s for them), then any worker still alive, by the pid it wrote (each runs in its own session)."""
+    30 s for them), then any worker still alive, by the pid it wrote (each in a process group of its own)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(p.pid, sig)
@@ -423,7 +423,7 @@ def launch(a, setup: str, world: int, mode: str, turn: int = 0) -> dict:
     with open(log, "w") as f:
         p = subprocess.Popen(
             torchrun_cmd(a, setup, world, mode, run_dir),
-            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=os.setpgrp,
         )  # fmt: skip
         try:
             rc = p.wait(timeout=a.timeout)

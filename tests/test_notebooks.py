@@ -237,7 +237,7 @@ _RUNS: dict[str, Run] = {}
 
 @pytest.fixture
 def ran(request, tmp_path_factory):
-    """The notebook executed once per test session (two tests read it)."""
+    """The notebook executed once per pytest run (two tests read it)."""
     path = request.param
     if path.stem not in _RUNS:
         _RUNS[path.stem] = execute(path, tmp_path_factory.mktemp(path.stem))

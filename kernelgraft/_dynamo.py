@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 
@@ -30,10 +31,16 @@ class _Method(str):
         return hash(self.fn)
 
 
-def logging_functions() -> set:
-    """logging.Logger's methods, plain and any a library added (`warning_once`, `info_once`...)."""
-    names = {*_LOGGING, *(n for n in dir(logging.Logger) if n.endswith(("_once", "_advice")))}
-    return {_Method(f) for n in names if callable(f := getattr(logging.Logger, n, None))}
+def logging_functions() -> frozenset:
+    """logging.Logger's methods, plain and any a library added (`warning_once`, `info_once`...):
+    made once per set of Logger's attributes (every model call enters capture_settings)."""
+    return _logging_functions(tuple(vars(logging.Logger)))
+
+
+@functools.cache
+def _logging_functions(attributes: tuple) -> frozenset:
+    names = {*_LOGGING, *(n for n in attributes if n.endswith(("_once", "_advice")))}
+    return frozenset(_Method(f) for n in names if callable(f := getattr(logging.Logger, n, None)))
 
 
 @contextlib.contextmanager

@@ -280,17 +280,17 @@ def _writes(n: torch.fx.Node) -> bool:
     fx knows it has effects: it stays though nothing reads its result."""
     if n.op in ("placeholder", "output") or n.is_impure():
         return True
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     if isinstance(n.target, torch._ops.OpOverload):
         return n.target._schema.is_mutable
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
     return n.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
 
 
 def drop_dead_code(graph: torch.fx.Graph) -> None:
     """The nodes nothing reads (the masks the rewrite no longer passes), dropped; a write into a
     tensor is kept. fx's own dead-code pass removes a `copy_` into a view whose result is unused:
-    DeepSeek's MLA builds its keys as `k = new_empty(...); k[..., :d] = k_nope` (a view, then
-    `copy_`), and the keys would be left empty."""
+    DeepSeek's MLA builds its keys as `k = new_empty(...); k[..., :d].copy_(k_nope)`, and the keys
+    would be left empty."""
     for n in reversed(list(graph.nodes)):
         if not n.users and not _writes(n):
             graph.erase_node(n)

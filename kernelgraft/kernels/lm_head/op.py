@@ -1,6 +1,7 @@
 """The LM head's custom op pair: the forward makes the loss and, in training, the gradients of h,
-the weight and the bias where the head has one (for a loss gradient of 1), which wait outside the autograd graph (the stash) until the backward hands
-them out, scaled by the loss's incoming gradient. A kernel that failed runs the spelling itself.
+the weight and the bias where the head has one (for a loss gradient of 1), which wait outside the
+autograd graph (the stash) until the backward hands them out, scaled by the loss's incoming
+gradient. A kernel that failed runs the spelling itself.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ ABI = 4  # in every op name (family.op_name): bump it when the ops' schemas chan
 
 # the differentiable arguments of a spelling, in the order of the op's flags and gradients
 GRADS = ("h", "weight", "bias")
+FLAGS = ", ".join(f"bool needs_{n}" for n in GRADS)  # the op's flags: which gradients to make
 
 
 def reference(spelling, named: dict, needs: tuple, grad_scale: float = 1.0) -> tuple:
@@ -101,7 +103,6 @@ class LMHeadOp:
 # is at most DEFER_FLOPS (about a millisecond on an H200) is deferred: at most that is lost where
 # the GPU sets the pace, and the wait, about three times it, is won where the host does.
 DEFER_FLOPS = 1e12
-FLAGS = ", ".join(f"bool needs_{n}" for n in GRADS)  # the op's flags: which gradients to make
 
 
 def defers(metas: dict) -> bool:
@@ -130,7 +131,6 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
     names = list(sp.arg_names)
     n_args = len(names)
     tf_scalars = None
-
     k = len(GRADS)
 
     def unpack(args):

@@ -126,6 +126,75 @@ def test_forward_and_backward_traced_run_as_the_python_launcher(name):
             assert torch.equal(a, b), name_
 
 
+def test_each_traced_launch_holds_inductor_to_the_strides_it_was_traced_with():
+    """The launcher passes row strides to its kernels as numbers: inductor must give each launch
+    its arguments with exactly the traced strides (not only their order), or the kernel would read
+    a buffer inductor lays out otherwise with the wrong strides. A launch carries its arguments'
+    traced values (eager_input_vals), which make inductor require exact strides."""
+    sp, (q, cos, sin) = _inputs("rope.rotate_half")
+    wide = torch.randn(q.shape[0], q.shape[1], q.shape[2], 3 * q.shape[3])
+    qs = wide[..., : q.shape[3]]  # a slice: rows 3x as far apart as its width, same stride order
+    pair = pair_op_for(sp, ROUNDING)
+
+    def fwd(q, cos, sin):
+        o = pair.fwd(q, cos, sin, q, cos, sin)
+        return [o[0], o[1]]
+
+    gm = _graph(fwd, [qs, cos, sin])
+    assert launch_in_graph(gm.graph) == {"inductor": 1}
+    launches = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
+    assert launches
+    for n in launches:
+        args, kwargs = n.meta["eager_input_vals"]
+        assert args == ()
+        for name, a in n.kwargs["kwargs"].items():
+            v = kwargs["kwargs"][name]
+            if isinstance(a, fx.Node):
+                assert isinstance(v, torch.Tensor) and v.stride() == a.meta["val"].stride(), name
+            else:
+                assert v == a, name
+        assert {k: v for k, v in kwargs.items() if k != "kwargs"} == {k: v for k, v in n.kwargs.items() if k != "kwargs"}
+    strides = {v.stride() for n in launches for v in n.meta["eager_input_vals"][1]["kwargs"].values() if isinstance(v, torch.Tensor)}
+    assert qs.stride() in strides  # the slice's own strides, as the launcher saw them
+
+
+def test_two_calls_traced_once_feed_a_third_as_two_values():
+    """Two norms of one signature are traced once and copied; their outputs feed a gated MLP. Each
+    copy has fake values of its own: with the trace's copied along, the two outputs were one fake
+    tensor, and the MLP's trace read its up input for its gate too (seen on an H200: a LoRA model's
+    gate and up projections, traced alike, fed the gated MLP kernel the up projection twice)."""
+    sp_n, (x, w, eps) = _inputs("rms_norm.llama")
+    sp_m = REGISTRY.get("gated_mlp", "silu")
+    norm, mlp = op_for(sp_n, ROUNDING), op_for(sp_m, ROUNDING)
+    x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+
+    def fwd(x, x2, w):
+        a, b = norm.fwd(x, w, eps)[0], norm.fwd(x2, w, eps)[0]
+        return [a, b, mlp.fwd(a, b)[0]]
+
+    gm = _graph(fwd, [x, x2, w])
+    assert launch_in_graph(gm.graph) == {"inductor": 3}
+    gm.recompile()
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "call_function" and "val" in n.meta]
+    storages = [v.untyped_storage() for v in vals if isinstance(v, torch.Tensor)]
+    assert len({id(s) for s in storages}) > 1
+    kernels = {}
+    for sp, args in ((sp_n, (x, w, eps)), (sp_m, (x, x2))):
+        tensors, _ = split_args(sp, args)
+        k = row_kernel(sp, {n: t.dtype for n, t in tensors.items()}, layout(sp, tensors).kinds, ROUNDING)
+        kernels[k.spec.name + "_"] = k
+
+    def launch(name, grid, kwargs):
+        prefix = next(p for p in kernels if name.startswith(p))
+        kernels[prefix].fn(name.removeprefix(prefix), torch.device("cpu"))[grid](**kwargs)
+        return name
+
+    got, _ = _run_launches_on_cpu(gm, [x, x2, w], launch)
+    a, b = norm.fwd(x, w, eps)[0], norm.fwd(x2, w, eps)[0]
+    for what, g, want in zip(("a", "b", "mlp"), got, (a, b, mlp.fwd(a, b)[0])):
+        assert torch.equal(g, want), what
+
+
 def test_recomputing_backward_traced_runs_as_the_python_launcher():
     sp, args = _inputs("gated_mlp.silu")
     op = op_for(sp, ROUNDING, recompute=True)
@@ -388,7 +457,6 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     row splits for dA and dB; run here, they give the Python launcher's bits with the same tiles."""
     from kernelgraft.kernels.lora import kernel as lk
 
-    monkeypatch.setattr(lk, "TRACED", True)  # the traced path, off by default (kernel._options)
     sp = REGISTRY.get("lora", "peft")
     gen = torch.Generator().manual_seed(3)
     x, res = torch.randn(600, 96, generator=gen).bfloat16(), torch.randn(600, 40, generator=gen).bfloat16()
@@ -423,18 +491,6 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     want = [out, *lk.backward(g, x, a, b, u, 2.0, (True, True, True))]
     for what, k, w in zip(("out", "dx", "dA", "dB"), got, want):
         assert torch.equal(k, w), what
-
-
-def test_lora_stays_a_host_launch_by_default_and_says_why():
-    sp = REGISTRY.get("lora", "peft")
-    x, res = torch.randn(16, 32).bfloat16(), torch.randn(16, 24).bfloat16()
-    a, b = torch.randn(4, 32), torch.randn(24, 4)
-    op = kernelgraft.kernels.op_for(sp)
-    gm = _graph(lambda x, res, a, b: list(op.fwd(x, res, a, b, 2.0)), [x, res, a, b])
-    counts = launch_in_graph(gm.graph)
-    assert counts["inductor"] == 0
-    (why,) = [k for k in counts if k.startswith("host:")]
-    assert "wrong gradients on the GPU" in why
 
 
 def test_lora_with_2_byte_adapters_stays_a_host_launch_and_says_why():

@@ -118,9 +118,18 @@ def _make_trace(impl, node: fx.Node, positions: list, vals: list, fake_mode) -> 
             out = impl(*args)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    # one graph value, one fake tensor: a value passed twice (a pair's shared cos) is seen so
+    # one graph value, one fake tensor: a value passed twice (a pair's shared cos) is seen so; two
+    # graph values, two fake tensors, even where they carry one object (make_fx would trace both
+    # arguments as the one it saw last)
     first: dict = {}
-    vals = [first.setdefault(node.args[i], v) for i, v in zip(positions, vals)]
+    owner: dict = {}
+    for i, v in zip(positions, vals):
+        a = node.args[i]
+        if a not in first and owner.setdefault(id(v), a) is not a:
+            with fake_mode:
+                v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        first.setdefault(a, v)
+    vals = [first[node.args[i]] for i in positions]
     # in the post-grad graph's own terms: aten ops decomposed as inductor's graphs have them
     from torch._inductor.decomposition import select_decomp_table  # import here: inductor is slow to import
 
@@ -128,13 +137,49 @@ def _make_trace(impl, node: fx.Node, positions: list, vals: list, fake_mode) -> 
         return make_fx(launch, decomposition_table=select_decomp_table(), tracing_mode="real")(*vals)
 
 
+def _pin_strides(n: fx.Node) -> None:
+    """A recorded launch's tensors held to the exact strides they were traced with. The launcher
+    passed them to the kernel as constants (row strides, say), but inductor by default holds a
+    user-defined kernel's arguments only to their stride order: a buffer it lays out otherwise
+    (padded, or a view it materializes) would be read with the traced strides, wrongly. Where a
+    node carries the eager values of its arguments, inductor requires their exact strides
+    (copying into them where its layout differs)."""
+
+    def val(a):
+        if isinstance(a, fx.Node):
+            return a.meta.get("val")
+        return a
+
+    if all(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes):
+        n.meta["eager_input_vals"] = (
+            tuple(fx.node.map_aggregate(n.args, val)),
+            dict(fx.node.map_aggregate(n.kwargs, val)),
+        )
+
+
 def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> None:
-    """sub's nodes in `graph` in place of `node` (whose users are getitems of its outputs)."""
+    """sub's nodes in `graph` in place of `node` (whose users are getitems of its outputs). Each
+    copy gets fake values of its own, made from its inputs' (a trace is made once and copied for
+    every call of its signature: copied with it, its fake values would make the calls' outputs one
+    tensor to the passes that follow: one storage, and a later trace reading two of them would read
+    one twice)."""
     inputs = [a for a in node.args if isinstance(a, fx.Node)]
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     env = dict(zip(placeholders, inputs))
     with graph.inserting_before(node):
         outs = graph.graph_copy(sub.graph, env)
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation as launch
+
+    fake_mode = detect_fake_mode([a.meta.get("val") for a in inputs])
+    with fake_mode:
+        for s in sub.graph.nodes:
+            if s.op != "call_function":
+                continue
+            n = env[s]
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+            n.meta["val"] = n.target(*args, **kwargs)
+            if n.target is launch:
+                _pin_strides(n)
     for u in list(node.users):
         if u.op == "call_function" and u.target is operator.getitem:
             u.replace_all_uses_with(outs[u.args[1]])

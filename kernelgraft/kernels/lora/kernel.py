@@ -232,30 +232,17 @@ def _splits(T: int, blocks: int, BT: int, device: torch.device) -> tuple[int, in
     return cdiv(max(T, 1), rows), rows
 
 
-TRACED = False  # whether inductor's code may launch the LoRA kernels (see _options)
-
-
 def _options(A: torch.Tensor, *ts: torch.Tensor) -> dict:
     """Triton's options for the launches. With float32 adapters no product or sum of the
     element-wise parts rounds to a 2-byte dtype before the last cast (R_a and R_p keep float32), so
     contracting `base + v * s` into one FMA only drops a float32 rounding: Triton's default, which
     is also all that inductor's launches can take. With 2-byte adapters every product rounds as
     eager's: no FMA contraction (launching.launch_options), and the launch stays a host launch
-    under inductor (NotTraceable).
-
-    Launched by inductor's code beside the other grafted kernels of a model, the LoRA kernels gave
-    wrong gradients on an H200 (a tiny Llama with LoRA on every linear: adapter gradients 0.5 off,
-    where a LoRA-only graft and a single adapted layer gave exact bits): until that is found, they
-    stay host launches under inductor too (TRACED = False)."""
+    under inductor (NotTraceable)."""
     if tracing() and A.dtype != torch.float32:
         raise NotTraceable(
             "adapters in a 2-byte dtype need Triton's FMA contraction off to round as eager does, "
             "which a launch by inductor's code cannot set"
-        )
-    if tracing() and not TRACED:
-        raise NotTraceable(
-            "LoRA kernels launched by inductor's code beside other grafted kernels gave wrong "
-            "gradients on the GPU (under investigation): launched from the host"
         )
     if A.dtype == torch.float32:
         return {}

@@ -96,20 +96,46 @@ def test_lora_launched_by_inductor_gives_the_bits_of_the_python_launcher():
     _same_bits(host, traced)
 
 
-def test_a_lora_model_under_inductor_passes_the_rule():
-    """peft LoRA on every linear of a bf16 tiny Llama under the inductor backend: loss and every
-    adapter gradient by the accuracy rule beside eager and torch.compile (the parts not grafted are
-    inductor's, rounded as torch.compile rounds them), every kernel launched by inductor's code.
-    The gate and up projections' LoRA calls are traced once and copied: the gated MLP kernel once
-    read the up projection for both (its trace saw their one shared fake value), loss 1e-3 off."""
-    import copy
-
+def _lora_model(dtype):
     from peft import LoraConfig, get_peft_model
-    from tiny import compare_models
 
     torch.manual_seed(0)
     cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
-    stock = get_peft_model(tiny_model("llama", torch.bfloat16, device="cuda"), cfg)
+    return get_peft_model(tiny_model("llama", dtype, device="cuda"), cfg)
+
+
+def test_a_lora_model_launched_by_inductor_gives_the_bits_of_the_python_launcher():
+    """peft LoRA on every linear of a bf16 tiny Llama: every kernel launched by inductor's code
+    (LoRA's and the row kernels) gives the loss and gradients of the same graft launched from the
+    host, bit for bit. The LoRA calls of the gate and up projections are traced once and copied:
+    the gated MLP kernel once read the up projection for both (its trace saw one fake value for
+    the two), a loss 1e-3 off."""
+    import copy
+
+    stock = _lora_model(torch.bfloat16)
+    b = batch(B=4, S=64, device="cuda")
+    got = {}
+    for launch in ("host", "inductor"):
+        torch._dynamo.reset()
+        model = kernelgraft.optimize(copy.deepcopy(stock), launch=launch)
+        got[launch] = [_step(model, b, s) for s in (1.0, 0.3)]
+        report = model.kernelgraft_report
+        assert report.counts()["lora"] == 7 * stock.config.num_hidden_layers
+        if launch == "inductor":
+            assert not [k for k in report.launched_by if k.startswith("host")], report.launched_by
+    for a, b_ in zip(got["host"], got["inductor"]):
+        assert any("lora_A" in n for n in a[1]) and any("lora_B" in n for n in a[1])
+        _same_bits(a, b_)
+
+
+def test_a_float32_lora_model_under_inductor_passes_the_rule():
+    """The same model in float32 under the inductor backend: loss and every adapter gradient by the
+    accuracy rule beside eager and torch.compile, all kernels launched by inductor's code."""
+    import copy
+
+    from tiny import compare_models
+
+    stock = _lora_model(torch.float32)
     mine = kernelgraft.optimize(copy.deepcopy(stock))
     bs = [batch(seed=s, B=4, S=64, device="cuda") for s in (1, 2)]
     verdicts = compare_models(mine, stock, bs)

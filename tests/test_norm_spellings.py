@@ -44,26 +44,34 @@ class Block(nn.Module):
         return self.b(self.lin(self.a(x))).sin().mean()  # not mean(square): a norm makes that constant
 
 
+def _off_the_rule(stock, mine, batches) -> list[str]:
+    """The loss, every input's and every parameter's gradient of `mine` against float64 truth
+    beside `stock` (eager), each quantity judged on all batches at once (a loss is one number per
+    batch, and one draw of its rounding is luck) -> the verdicts that fail."""
+    truth = copy.deepcopy(stock).double()
+    runs = {"truth": [], "eager": [], "kg": []}
+    for xs in batches:
+        for name, m in (("truth", truth), ("eager", stock), ("kg", mine)):
+            xin = [(x.double() if name == "truth" else x).clone().requires_grad_() for x in xs]
+            loss = m(*xin)
+            loss.backward()
+            runs[name].append([loss.detach(), *(x.grad for x in xin)] + [p.grad.clone() for p in m.parameters()])
+            m.zero_grad()
+    joined = {
+        k: [torch.cat([r[i].reshape(-1) for r in v]) for i in range(len(v[0]))] for k, v in runs.items()
+    }
+    verdicts = (
+        judge(f"#{i}", t, k, e) for i, (t, e, k) in enumerate(zip(joined["truth"], joined["eager"], joined["kg"]))
+    )
+    return [str(v) for v in verdicts if not v.ok]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_hand_written_norms_are_served_by_the_rule(dtype):
     torch.manual_seed(0)
     stock = Block().to(dtype)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
-    truth = copy.deepcopy(stock).double()
-    # four batches, each quantity judged on all of them at once: the loss is one number per batch,
-    # and one draw of its rounding is luck
-    xs = [torch.randn(4, 24, 64).to(dtype) for _ in range(4)]
-    runs = {"truth": [], "eager": [], "kg": []}
-    for x in xs:
-        for name, m, xin in (("truth", truth, x.double()), ("eager", stock, x), ("kg", mine, x)):
-            xin = xin.clone().requires_grad_()
-            loss = m(xin)
-            loss.backward()
-            runs[name].append([loss.detach(), xin.grad] + [p.grad.clone() for p in m.parameters()])
-            m.zero_grad()
-    joined = {
-        k: [torch.cat([r[i].reshape(-1) for r in v]) for i in range(len(v[0]))] for k, v in runs.items()
-    }
+    bad = _off_the_rule(stock, mine, [(torch.randn(4, 24, 64).to(dtype),) for _ in range(4)])
     rep = mine.kernelgraft_report
     served = sorted(s.spelling for s in rep.sites)
     if dtype == torch.float32:
@@ -72,14 +80,6 @@ def test_hand_written_norms_are_served_by_the_rule(dtype):
         assert served == ["no_weight"], str(rep)
         (refused,) = rep.fallbacks
         assert refused.spelling == "no_cast" and "served in float32" in refused.reason
-    bad = [
-        str(v)
-        for v in (
-            judge(f"#{i}", t, k, e)
-            for i, (t, e, k) in enumerate(zip(joined["truth"], joined["eager"], joined["kg"]))
-        )
-        if not v.ok
-    ]
     assert not bad, bad
 
 
@@ -135,3 +135,66 @@ def test_a_norm_read_again_by_the_next_norm_leaves_both_served():
     x = torch.randn(2, 5, 64)
     rep = kernelgraft.explain(TwoNorms(), x)
     assert [s.spelling for s in rep.sites] == ["no_weight", "no_weight"], str(rep)
+
+
+class GatedBlock(nn.Module):
+    """Mamba-2's mixer output: y gated by silu(z) and normalized over groups of the row
+    (transformers' MambaRMSNormGated), between two projections."""
+
+    def __init__(self, n=64, group_size=64):
+        from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+        super().__init__()
+        self.inp = nn.Linear(n, 2 * n, bias=False)
+        self.norm = MambaRMSNormGated(n, group_size, eps=1e-5)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.1 * torch.randn(n))
+        self.out = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        y, z = self.inp(x).chunk(2, dim=-1)
+        return self.out(self.norm(y, z)).sin().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mamba2s_gated_norm_over_one_group_is_served_by_the_rule(dtype):
+    """One group per row: the model's view to (..., 1, n) and back only adds a size-1 dim, which
+    canonicalization reads through; the whole gated norm is one rms_norm.gated site (not the
+    gated product alone, which gated_mlp.silu would take)."""
+    torch.manual_seed(0)
+    stock = GatedBlock().to(dtype)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    bad = _off_the_rule(stock, mine, [(torch.randn(4, 24, 64).to(dtype),) for _ in range(4)])
+    rep = mine.kernelgraft_report
+    assert [(s.pattern, s.spelling, s.module) for s in rep.sites] == [("rms_norm", "gated", "norm")], str(rep)
+    assert not bad, bad
+
+
+def test_a_gated_norm_over_several_groups_keeps_its_stock_norm():
+    """Four groups of 16 per row: each group has its own mean, which the row kernel does not
+    compute. The norm stays stock code (its gated product may be grafted), with the same values."""
+    torch.manual_seed(0)
+    stock = GatedBlock(group_size=16)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    x = torch.randn(4, 24, 64)
+    assert torch.allclose(mine(x), stock(x), rtol=1e-6, atol=1e-7)
+    assert not [s for s in mine.kernelgraft_report.sites if s.pattern == "rms_norm"], str(mine.kernelgraft_report)
+
+
+class OverTheUnitDim(nn.Module):
+    """A size-1 dim added before the last, then a mean over that dim (not over the row): the ops
+    of a LayerNorm without weight, other math (the mean is h itself, the output 0). Dim 2 of the
+    view is x's last dim: were the view read through, the mean would be taken over the row."""
+
+    def forward(self, x):
+        h = x.float().view(*x.shape[:-1], 1, x.shape[-1])
+        c = h - h.mean(2, keepdim=True)
+        y = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (y.view(x.shape).to(x.dtype) + x).sin().sum()
+
+
+def test_a_size_1_view_stays_a_view_where_an_op_reads_another_dim():
+    x = torch.randn(4, 8, 64)
+    mine = kernelgraft.optimize(OverTheUnitDim(), backend="eager")
+    assert torch.allclose(mine(x), OverTheUnitDim()(x), rtol=1e-6)
+    assert not mine.kernelgraft_report.sites, str(mine.kernelgraft_report)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .decompose import LAYER_NORMS, RMS_NORMS, layer_norm, rms_norm
 from .graph import CGraph, CNode, DtypeOf
-from .indexing import VIEWS, half_of, pairs_of, row_index, view_kind
+from .indexing import VIEWS, half_of, pairs_of, row_index, units_read_by_rows, view_kind
 from .primitives import PRIMITIVES
 from .rules import apply_rules
 
@@ -177,6 +177,16 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return b.alias(n, args[0])
         if kind == "rows":  # the leading dims merged, the rows unchanged (one form however spelled)
             return b.new("flatten_rows", (args[0],), fx=n)
+        if kind == "units":  # x.view(*lead, 1, n) and back: a norm over one group per row
+            src, out = args[0].meta, n.meta.get("example_value")
+            if out.dim() > src.dim() and units_read_by_rows(n):
+                return b.alias(n, args[0])
+            if out.dim() < src.dim() and not args[0].op.startswith(("input", "opaque")):
+                # the source's op again, standing for this node: a site that reads it gets this
+                # node's shape (an alias would hand it the source's, with the size-1 dims)
+                again = b.new(args[0].op, args[0].args, args[0].attrs, fx=n)
+                again.cover.extend(args[0].cover)
+                return again
     if n.op == "call_method" and target in _TRANSPARENT_METHODS:
         return b.alias(n, args[0])
     if n.op == "call_method" and target in _CAST_METHODS and not kwargs and len(args) == 1:

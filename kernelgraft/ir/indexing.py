@@ -4,9 +4,12 @@ leading dims and keeps the last: the same rows)."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .graph import CNode
+from .primitives import PRIMITIVES
 
 
 def half_of(b, n, x: CNode, index) -> CNode | None:
@@ -86,7 +89,9 @@ VIEWS = frozenset({"view", "reshape", torch.reshape, "flatten", torch.flatten})
 
 def view_kind(n: torch.fx.Node, args, kwargs) -> str | None:
     """The view algebra: "identity" (the same shape), "rows" (the leading dims merged into one, the
-    last dim kept: a row-wise op sees the same rows), or None (any other view, kept as it is).
+    last dim kept: a row-wise op sees the same rows), "units" (size-1 dims before the last added or
+    taken away: a norm over one group of a row, `x.view(*lead, 1, n)`; the same rows, for the ops
+    that read only the last dim), or None (any other view, kept as it is).
     x.view(-1, x.shape[-1]) in a traced pattern is rows; in a model graph the shapes dynamo
     recorded decide, however the view is spelled (view, reshape, flatten, -1 or sizes)."""
     x = args[0]
@@ -106,4 +111,60 @@ def view_kind(n: torch.fx.Node, args, kwargs) -> str | None:
         return "identity"
     if src.dim() >= 2 and out.dim() == 2 and out.shape[-1] == src.shape[-1]:
         return "rows"
+    if out.shape[-1] == src.shape[-1] and _without_units(src.shape) == _without_units(out.shape):
+        return "units"  # size-1 dims before the last added or taken away: the same rows
     return None
+
+
+def _without_units(shape) -> tuple:
+    return tuple(d for d in shape[:-1] if d != 1) + (shape[-1],)
+
+
+_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow})
+_CASTS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double"})
+
+
+def _shape(a):
+    v = a.meta.get("example_value") if isinstance(a, torch.fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def units_read_by_rows(n: torch.fx.Node, limit: int = 64) -> bool:
+    """Whether a "units" view (view_kind) may stand for its input: every op that reads it, and
+    theirs, up to the next view, reads only along the last dim - element-wise ops and casts, whose
+    other tensors broadcast along the rows or have the same leading dims, and reductions over the
+    last dim only. Where one does more (a reduction or transpose over another dim, a matmul, an
+    output), the view stays as it is: the ranks differ, and another dim would name another axis."""
+    seen, todo = set(), [n]
+    while todo:
+        m = todo.pop()
+        shape = _shape(m)
+        if shape is None:
+            return False
+        for u in m.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if len(seen) > limit or u.op != "call_function" and u.op != "call_method":
+                return False
+            if u.target in VIEWS:
+                continue  # its own kind decides
+            if u.op == "call_method" and u.target in _CASTS:
+                todo.append(u)
+                continue
+            prim = PRIMITIVES.of_target(u.target)
+            if u.target not in _ARITHMETIC and prim is None:
+                return False
+            if prim is not None and prim.kind == "reduction":
+                dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+                dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+                if len(dims) != 1 or dims[0] not in (-1, len(shape) - 1):
+                    return False
+            for other in [*u.args, *u.kwargs.values()]:
+                o = _shape(other) if other is not m else None
+                if o is not None and not (
+                    all(d == 1 for d in o[:-1]) or (len(o) == len(shape) and o[:-1] == shape[:-1])
+                ):
+                    return False
+            todo.append(u)
+    return True

@@ -11,9 +11,12 @@ no_weight: normalize in float32, round back; no weight (Gemma-3n, Llama-4 and ot
        norms). A larger spelling that also matches (llama's, with its weight) is tried first.
 no_weight_scale: no weight, the scale rounded to x's dtype before it multiplies x (DeepSeek-V4).
 no_cast: every op in x's dtype, the weight last (hand-written models).
+gated: x times silu(gate) in float32, then llama's norm (Mamba-2's gated norm: Mamba-2, Bamba,
+       Zamba-2, GraniteMoeHybrid, Nemotron-H; served where the norm takes each row as one group).
 """
 
 import torch
+import torch.nn.functional as F
 
 from .registry import Scalar, dtype_check, pattern
 
@@ -98,3 +101,20 @@ def _float32_only(site) -> str | None:
 def rms_norm_no_cast(x, weight, eps: Scalar):
     """No float32 upcast, every op in x's dtype: hand-written models (nanoGPT-style code)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _example_gated(rows, n, dtype, g):
+    ex = _example(rows, n, dtype, g)
+    ex["gate"] = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
+    return {"x": ex["x"], "gate": ex["gate"], "weight": ex["weight"], "eps": ex["eps"]}
+
+
+@pattern("rms_norm", spelling="gated", extra_check=dtype_check, example=_example_gated, recompute=True)
+def rms_norm_gated(x, gate, weight, eps: Scalar):
+    """Mamba-2's gated norm: x scaled by silu(gate) in float32, then normalized, rounded back, times
+    the weight. The models write the norm over groups of the row (`view(*lead, groups, n //
+    groups)`); with one group that view only adds a size-1 dim, which canonicalization sees through."""
+    h = x.to(torch.float32)
+    h = h * F.silu(gate.to(torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

@@ -11,6 +11,7 @@ import operator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..ir.indexing import VIEWS
 from ..kernels import family_of
 from ..patterns import Site
 from .match import Match
@@ -68,6 +69,37 @@ def argument_nodes(gm: torch.fx.GraphModule, m: Match, redirect: dict) -> dict:
     return {name: fx_of(c) for name, c in m.tensors.items()}
 
 
+def _made_shape(m: Match, named: dict) -> tuple | None:
+    """The shape of what the op makes, where the site's output may have another: a match through a
+    view that only adds or drops size-1 dims (a norm over one group, `x.view(*lead, 1, n)`) can
+    end at a node of the viewed shape. The spelling run on meta tensors of the arguments' shapes;
+    None where no view was covered or the run fails."""
+    if not any(n.target in VIEWS for n in m.covered if n.op in ("call_function", "call_method")):
+        return None
+    sp = m.spelling
+    try:
+        args = [
+            torch.empty_strided(c.meta.shape, c.meta.stride(), dtype=c.meta.dtype, device="meta")
+            if a in sp.tensor_names
+            else named[a]
+            for a, c in ((a, m.tensors.get(a)) for a in sp.arg_names)
+        ]
+        with torch.no_grad():
+            out = sp.fn(*args)
+    except Exception:  # noqa: BLE001 - no shape to compare: the output is taken as made
+        return None
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+
+
+def _shaped_as(g, new: torch.fx.Node, out_fx: torch.fx.Node, made: tuple | None) -> torch.fx.Node:
+    """new reshaped to the site output's shape where the op makes the same values in another."""
+    want = out_fx.meta.get("example_value")
+    if made is None or not isinstance(want, torch.Tensor) or tuple(want.shape) == made:
+        return new
+    with g.inserting_after(new):
+        return g.call_method("reshape", (new, tuple(want.shape)))
+
+
 def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torch.fx.Node:
     """The match's subgraph -> a single op call (returned); `redirect` maps each replaced output
     to the node that now stands for it, for later sites that read it."""
@@ -102,6 +134,7 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
         call.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         call.meta["ac_graph_id"] = 1
         call.meta[RECOMPUTE_META] = True  # ours (not the user's checkpointing): ddp.py keeps it whole
+    new = _shaped_as(g, new, out_fx, _made_shape(m, named))
     if "example_value" in out_fx.meta:
         new.meta["example_value"] = out_fx.meta["example_value"]
     out_fx.replace_all_uses_with(new)

@@ -136,5 +136,5 @@ def test_a_norm_nothing_resembles_is_reported_with_what_it_computes():
     assert rep.counts() == {"layer_norm": 1}
     (u,) = rep.unserved
     assert (u.module, u.cls, u.kind) == ("norm", "MaxNorm", "norm")
-    assert "no pattern matched or came close; it computes" in u.reason and "amax" in u.reason
+    assert "no norm pattern matched or came close; it computes" in u.reason and "amax" in u.reason
     assert "not served, nothing close (1):" in str(rep) and "norm (MaxNorm, a norm)" in str(rep)

@@ -178,7 +178,13 @@ def test_a_gated_norm_over_several_groups_keeps_its_stock_norm():
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
     x = torch.randn(4, 24, 64)
     assert torch.allclose(mine(x), stock(x), rtol=1e-6, atol=1e-7)
-    assert not [s for s in mine.kernelgraft_report.sites if s.pattern == "rms_norm"], str(mine.kernelgraft_report)
+    rep = mine.kernelgraft_report
+    assert not [s for s in rep.sites if s.pattern == "rms_norm"], str(rep)
+    # reported, though a site of another pattern (the gated product) was served inside the module
+    (u,) = rep.unserved
+    assert (u.module, u.cls, u.kind) == ("norm", "MambaRMSNormGated", "norm"), str(rep)
+    assert "no norm pattern matched or came close (served inside it: gated_mlp.silu)" in u.reason, u.reason
+    assert "mean" in u.reason and "rsqrt" in u.reason
 
 
 class OverTheUnitDim(nn.Module):

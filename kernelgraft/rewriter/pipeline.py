@@ -135,11 +135,17 @@ def _rank(nm) -> tuple:
 _MODULE_KINDS = (("Norm", "norm"), ("MLP", "mlp"), ("Mlp", "mlp"))
 
 
+# the patterns that serve a module of each kind: a norm module whose gated product alone was
+# grafted (gated_mlp inside Mamba-2's gated norm over several groups) still leaves its norm stock
+_KIND_PATTERNS = {"norm": ("rms_norm", "layer_norm"), "mlp": ("gated_mlp",)}
+
+
 def unserved(g: Graft) -> None:
-    """Norm and MLP modules the graph calls (by their class names) in which no site was served,
-    refused or came close: reported with the ops they compute."""
-    explained = [r.module for r in g.report.sites + g.report.fallbacks] + [
-        m.module for m in g.report.near_misses
+    """Norm and MLP modules the graph calls (by their class names) in which no site of their kind
+    was served, refused or came close: reported with the ops they compute (and the sites of other
+    patterns served inside them)."""
+    records = [(r.module, r.pattern) for r in g.report.sites + g.report.fallbacks] + [
+        (m.module, m.pattern) for m in g.report.near_misses
     ]
     ops: dict = {}  # (path, class name, kind) -> canonical ops computed inside, in graph order
     modules: dict = {}  # (dynamo's path, class) -> (path, class name, kind), or None: not a norm or MLP
@@ -158,12 +164,14 @@ def unserved(g: Graft) -> None:
             if c.op != "input" and op not in seen:
                 seen.append(op)
     for (path, name, kind), inside in ops.items():
-        if any(m == path or m.startswith(path + ".") for m in explained) or not inside:
+        within = [(m, p) for m, p in records if m == path or m.startswith(path + ".")]
+        if any(p in _KIND_PATTERNS[kind] for _, p in within) or not inside:
             continue
         what = ", ".join(inside[:10]) + (", ..." if len(inside) > 10 else "")
-        g.report.unserved.append(
-            Unserved(path, kind, name, f"no pattern matched or came close; it computes {what}")
-        )
+        others = sorted({f"{r.pattern}.{r.spelling}" for r in g.report.sites if (r.module, r.pattern) in within})
+        served = f" (served inside it: {', '.join(others)})" if others else ""
+        why = f"no {kind} pattern matched or came close{served}; it computes {what}"
+        g.report.unserved.append(Unserved(path, kind, name, why))
 
 
 def pair(g: Graft) -> None:

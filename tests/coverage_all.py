@@ -17,6 +17,7 @@ values alone (SHRINK and the functions below it), use_cache off; such rows say "
     make coverage                          # python tests/coverage_all.py --write: the README's table
     python tests/coverage_all.py llama gpt_neox   # some architectures, printed
     python tests/coverage_all.py --no-grads llama # the sites alone, no gradient check
+    python tests/coverage_all.py --write --update --memory-gib=20 gemma4_text   # rows surveyed again
 """
 
 from __future__ import annotations
@@ -585,14 +586,27 @@ NOTE = (
 )
 
 
-def table(rows: list[dict]) -> str:
-    """The README's table. Its first line counts the rows fully served: every expected site served
+_REPAIRED = " (repaired config)"
+
+
+def _row_line(r: dict) -> str:
+    cells = []
+    for k in ("norm", "rope", "gated_mlp", "lm_head_ce"):
+        n = r["expected"].get(k, 0)
+        cells.append(f"{r['served'].get(k, 0)}/{n}" if n else "-")
+    why = r["why"].replace("|", "\\|")
+    name = r["arch"] + (_REPAIRED if r.get("repaired") else "")
+    return f"| {name} | {r['status']} | {' | '.join(cells)} | {why} | {r.get('grads') or '-'} |"
+
+
+def _head(rows: list[dict]) -> list[str]:
+    """The table's first lines. The first counts the rows fully served: every expected site served
     and, where the gradients were checked, the check passed."""
     full = sum(r["status"] == "full" for r in rows)
     built = sum(r["status"] != "not built" for r in rows)
     repaired = sum(bool(r.get("repaired")) for r in rows)
     unchecked = "; gradients not checked" if any(r.get("grads") == "not checked" for r in rows) else ""
-    out = [
+    return [
         f"{full} of {len(rows)} causal-LM architectures fully served ({built} built from a tiny config{unchecked}).",
         "",
         NOTE.format(repaired=repaired),
@@ -600,15 +614,30 @@ def table(rows: list[dict]) -> str:
         "| architecture | status | norms | RoPE | gated MLP | LM head | why not | gradients checked |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        cells = []
-        for k in ("norm", "rope", "gated_mlp", "lm_head_ce"):
-            n = r["expected"].get(k, 0)
-            cells.append(f"{r['served'].get(k, 0)}/{n}" if n else "-")
-        why = r["why"].replace("|", "\\|")
-        name = r["arch"] + (" (repaired config)" if r.get("repaired") else "")
-        out.append(f"| {name} | {r['status']} | {' | '.join(cells)} | {why} | {r.get('grads') or '-'} |")
-    return "\n".join(out)
+
+
+def table(rows: list[dict]) -> str:
+    """The README's table."""
+    return "\n".join(_head(rows) + [_row_line(r) for r in rows])
+
+
+def updated(old: str, rows: list[dict]) -> str:
+    """The README's table `old` with the rows of `rows` in place of theirs, the other rows as they
+    are, its counts made anew (`--update`: some architectures surveyed again)."""
+    new = {r["arch"]: _row_line(r) for r in rows}
+    lines, kept = [], []
+    for line in old.splitlines():
+        cells = [c.strip() for c in line.strip("|").split(" | ")] if line.startswith("| ") else []
+        if len(cells) < 8 or cells[0] == "architecture":
+            continue
+        arch = cells[0].removesuffix(_REPAIRED)
+        line = new.pop(arch, line)
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        lines.append(line)
+        kept.append(dict(status=cells[1], repaired=cells[0].endswith(_REPAIRED), grads=cells[-1]))
+    if new:
+        raise SystemExit(f"not in the README's table: {', '.join(new)}")
+    return "\n".join(_head(kept) + lines)
 
 
 MEMORY_GIB = 12  # a tiny model that allocates more (a default that is not tiny) fails, not the run
@@ -623,9 +652,12 @@ def main(argv: list[str]) -> int:
     import resource
     import signal
 
-    write, grads = "--write" in argv, "--no-grads" not in argv
+    write, grads, update = "--write" in argv, "--no-grads" not in argv, "--update" in argv
+    memory = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("--memory-gib=")), MEMORY_GIB)
     archs = [a for a in argv if not a.startswith("--")] or architectures()
-    limit = MEMORY_GIB * 2**30
+    if update and (not write or archs == architectures()):
+        raise SystemExit("--update takes --write and the architectures to survey again")
+    limit = int(memory * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     signal.signal(signal.SIGALRM, _timed_out)
     rows = []
@@ -642,15 +674,15 @@ def main(argv: list[str]) -> int:
             signal.alarm(0)
         took = time.monotonic() - start
         print(f"{a}: {rows[-1]['status']} ({took:.0f} s) {rows[-1]['why'][:100]}", flush=True)
-    text = table(rows)
     if write:
         readme = README.read_text()
         head, rest = readme.split(START, 1)
-        _, tail = rest.split(END, 1)
+        old, tail = rest.split(END, 1)
+        text = updated(old, rows) if update else table(rows)
         README.write_text(f"{head}{START}\n{text}\n{END}{tail}")
         print(f"wrote the table of {len(rows)} architectures into {README}")
     else:
-        print(text)
+        print(table(rows))
     return 0
 
 

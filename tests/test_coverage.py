@@ -234,3 +234,26 @@ def test_the_survey_repairs_a_tiny_config_and_counts_only_checked_gradients():
     assert text.startswith("1 of 2 causal-LM architectures fully served (2 built from a tiny config).")
     assert "| gptj (repaired config) | full | 3/3 | 4/4 | - | 1/1 |  | fp32, bf16 |" in text
     assert "| x (repaired config) | grads | 3/3 | 4/4 | - | 1/1 | float32: 1 of 9 fail | failed |" in text
+
+
+def test_the_survey_table_takes_rows_surveyed_again():
+    """`coverage_all.py --write --update arch...`: the README table with those rows replaced, the
+    others kept as they are, the first line's counts made anew."""
+    import coverage_all
+
+    def row(arch, status, repaired=False):
+        served = {"norm": 5 if status == "full" else 4}
+        return dict(arch=arch, expected={"norm": 5}, served=served, status=status, why="", repaired=repaired,
+                    grads="fp32, bf16" if status == "full" else "")  # fmt: skip
+
+    old = coverage_all.table([row("a", "partial"), row("b", "partial", True), row("c", "full")])
+    assert old.splitlines()[0].startswith("1 of 3 causal-LM architectures fully served (3 built")
+    new = coverage_all.updated(old, [row("b", "full", True)])
+    lines = new.splitlines()
+    assert lines[0].startswith("2 of 3 causal-LM architectures fully served (3 built")
+    assert [ln.split(" | ")[0:2] for ln in lines[-3:]] == [
+        ["| a", "partial"], ["| b (repaired config)", "full"], ["| c", "full"]
+    ]
+    assert lines[-3] == old.splitlines()[-3] and lines[-1] == old.splitlines()[-1]
+    with pytest.raises(SystemExit, match="not in the README's table: d"):
+        coverage_all.updated(old, [row("d", "full")])

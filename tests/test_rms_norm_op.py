@@ -26,8 +26,10 @@ def assert_ok(verdicts):
 
 
 # Narrow rows give few elements per row: use many rows so the relative errors compared are
-# statistics over >= 28k elements, not the luck of a handful of roundings.
-@pytest.mark.parametrize("N", [1, 7, 4096, 5120])
+# statistics over >= 28k elements, not the luck of a handful of roundings. One wide row (5120: not a
+# power of two, the last block masked); the property test below draws widths up to 2049, and the
+# model tests run 2**k widths.
+@pytest.mark.parametrize("N", [1, 7, 5120])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("rounding", ["autograd", "fused"])

@@ -160,7 +160,7 @@ def _pin_strides(n: fx.Node) -> None:
 def _inline(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule) -> None:
     """sub's nodes in `graph` in place of `node` (whose users are getitems of its outputs). Each
     copy gets fake values of its own, made from its inputs' (a trace is made once and copied for
-    every call of its signature: copied with it, its fake values would make the calls' outputs one
+    the calls of its signature: copied with it, its fake values would make the calls' outputs one
     tensor to the passes that follow: one storage, and a later trace reading two of them would read
     one twice)."""
     inputs = [a for a in node.args if isinstance(a, fx.Node)]

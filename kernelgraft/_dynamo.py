@@ -33,7 +33,7 @@ class _Method(str):
 
 def logging_functions() -> frozenset:
     """logging.Logger's methods, plain and any a library added (`warning_once`, `info_once`...):
-    made once per set of Logger's attributes (every model call enters capture_settings)."""
+    made once per set of Logger's attributes (every run of a captured model enters capture_settings)."""
     return _logging_functions(tuple(vars(logging.Logger)))
 
 

@@ -4,8 +4,6 @@ leading dims and keeps the last: the same rows)."""
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from .graph import CNode
@@ -120,7 +118,6 @@ def _without_units(shape) -> tuple:
     return tuple(d for d in shape[:-1] if d != 1) + (shape[-1],)
 
 
-_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow})
 _CASTS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double"})
 
 
@@ -152,10 +149,10 @@ def units_read_by_rows(n: torch.fx.Node, limit: int = 64) -> bool:
             if u.op == "call_method" and u.target in _CASTS:
                 todo.append(u)
                 continue
-            prim = PRIMITIVES.of_target(u.target)
-            if u.target not in _ARITHMETIC and prim is None:
+            prim = PRIMITIVES.of_target(u.target)  # the table's ops: element-wise, or a reduction
+            if prim is None:
                 return False
-            if prim is not None and prim.kind == "reduction":
+            if prim.kind == "reduction":
                 dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
                 dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
                 if len(dims) != 1 or dims[0] not in (-1, len(shape) - 1):

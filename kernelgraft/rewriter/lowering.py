@@ -118,18 +118,10 @@ def _make_trace(impl, node: fx.Node, positions: list, vals: list, fake_mode) -> 
             out = impl(*args)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    # one graph value, one fake tensor: a value passed twice (a pair's shared cos) is seen so; two
-    # graph values, two fake tensors, even where they carry one object (make_fx would trace both
-    # arguments as the one it saw last)
+    # one graph value, one fake tensor: a value passed twice (a pair's shared cos) is seen so (two
+    # graph values carry two: _inline gives each copy of a trace fake values of its own)
     first: dict = {}
-    owner: dict = {}
-    for i, v in zip(positions, vals):
-        a = node.args[i]
-        if a not in first and owner.setdefault(id(v), a) is not a:
-            with fake_mode:
-                v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-        first.setdefault(a, v)
-    vals = [first[node.args[i]] for i in positions]
+    vals = [first.setdefault(node.args[i], v) for i, v in zip(positions, vals)]
     # in the post-grad graph's own terms: aten ops decomposed as inductor's graphs have them
     from torch._inductor.decomposition import select_decomp_table  # import here: inductor is slow to import
 

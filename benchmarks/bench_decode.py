@@ -2,13 +2,14 @@
 Llama-3.2-1B shape, a 128-token prompt and 64 new tokens at batch 1 and 8, bf16, for eager,
 torch.compile, and kernelgraft (inductor and eager backends), side by side in one process.
 
-Per mode and batch: tokens/s (the median of timed calls after the first), the first call's seconds
+Per mode and batch: tokens/s (the median of timed calls after the first; the modes are timed in
+turns, one call each per round), each round's time over torch.compile's, the first call's seconds
 (compiles included), and how many sequences are token for token eager's (random weights make
 near-ties between the top two logits, where any other rounding may pick the other token: the first
 position where a sequence leaves eager's is reported with the gap between eager's top two logits
 there, so a divergence at a near-tie can be told from one that is not).
 
-    python benchmarks/bench_decode.py [--out DIR] [--batches 1,8] [--prompt 128] [--new 64]
+    python benchmarks/bench_decode.py [--out DIR] [--batches 1,8] [--prompt 128] [--new 64] [--rounds 5]
         -> DIR/decode.json, DIR/decode.md
 """
 
@@ -52,8 +53,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure_decode(model, batch: int, prompt: int, new: int, device: str = "cuda", reps: int = 3) -> dict:
-    """Greedy generate() of `new` tokens after a random `prompt`-token prompt, `batch` sequences."""
+def _request(model, batch: int, prompt: int, new: int, device: str):
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(batch * 1000 + prompt)
     ids = torch.randint(0, vocab, (batch, prompt), generator=g).to(device)
@@ -64,18 +64,20 @@ def measure_decode(model, batch: int, prompt: int, new: int, device: str = "cuda
         do_sample=False,
         pad_token_id=0,
     )
+    return ids, kw
+
+
+def timed_generate(model, ids, kw, device: str):
+    """One greedy generate(): (its output, its wall seconds)."""
     with torch.no_grad():
         _sync(device)
         t = time.perf_counter()
         out = model.generate(ids, **kw)
         _sync(device)
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            again = model.generate(ids, **kw)
-            _sync(device)
-            times.append(time.perf_counter() - t)
+    return out, time.perf_counter() - t
+
+
+def _result(out, again, first: float, times: list, batch: int, prompt: int, new: int) -> dict:
     med = sorted(times)[len(times) // 2]
     return dict(
         tok_s=batch * new / med,
@@ -85,7 +87,7 @@ def measure_decode(model, batch: int, prompt: int, new: int, device: str = "cuda
         prompt_tokens=prompt,
         new_tokens=new,
         tokens=out[:, prompt:].tolist(),
-        prompt=ids.tolist(),
+        prompt=out[:, :prompt].tolist(),
     )
 
 
@@ -112,30 +114,57 @@ def agreement(ref: dict, got: dict, eager_model=None, device: str = "cuda") -> d
     return dict(identical=same, of=len(ref["tokens"]), diverged=where)
 
 
-def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None, dtype=torch.bfloat16):
-    """Every mode at every batch -> {f"batch {B}": {mode: result}}, eager first (the reference)."""
+def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None, dtype=torch.bfloat16, rounds=5):
+    """Every mode at every batch -> {f"batch {B}": {mode: result}}, eager first (the reference).
+
+    All modes are built first and make their first call (compiles included); then `rounds` rounds
+    time one generate() per mode, the order rotated each round, so that a change of the host's
+    speed during the run falls on every mode alike. Each mode's tokens/s is from the median of its
+    rounds; `vs_compile_rounds` is its time over torch.compile's in the same round, per round."""
     modes = ["eager"] + [m for m in modes if m != "eager"]
     eager_model = build("eager", cfg, device, dtype)
     res: dict = {f"batch {B}": {} for B in batches}
+    models: dict = {}
     for mode in modes:
         try:
-            model = eager_model if mode == "eager" else build(mode, cfg, device, dtype)
-            for B in batches:
-                r = measure_decode(model, B, prompt, new, device)
-                ref = res[f"batch {B}"].get("eager")
-                if ref is not None:
-                    r["agreement"] = agreement(ref, r, eager_model, device)
-                res[f"batch {B}"][mode] = r
-                print(mode, B, {k: v for k, v in r.items() if k not in ("tokens", "prompt")}, flush=True)
+            models[mode] = eager_model if mode == "eager" else build(mode, cfg, device, dtype)
         except Exception as e:  # noqa: BLE001 - a failing mode is reported, the others still run
             traceback.print_exc()
             for B in batches:
-                res[f"batch {B}"].setdefault(mode, dict(error=f"{type(e).__name__}: {e}"[:300]))
-        if mode != "eager":
-            del model
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+                res[f"batch {B}"][mode] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    for B in batches:
+        key = f"batch {B}"
+        firsts: dict = {}
+        for mode, model in list(models.items()):
+            try:
+                ids, kw = _request(model, B, prompt, new, device)
+                out, t = timed_generate(model, ids, kw, device)
+                firsts[mode] = (ids, kw, out, t)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                res[key][mode] = dict(error=f"{type(e).__name__}: {e}"[:300])
+        times: dict = {m: [] for m in firsts}
+        last: dict = {}
+        order = list(firsts)
+        for r in range(rounds):
+            for mode in order[r % len(order) :] + order[: r % len(order)]:
+                ids, kw, _, _ = firsts[mode]
+                last[mode], t = timed_generate(models[mode], ids, kw, device)
+                times[mode].append(t)
+        for mode, (ids, kw, out, first) in firsts.items():
+            r = _result(out, last.get(mode, out), first, times[mode] or [first], B, prompt, new)
+            if "torch.compile" in times and times[mode]:
+                per = sorted(a / b for a, b in zip(times[mode], times["torch.compile"]))
+                r["vs_compile_rounds"] = [round(x, 3) for x in per]
+            ref = res[key].get("eager")
+            if ref is not None:
+                r["agreement"] = agreement(ref, r, eager_model, device)
+            res[key][mode] = r
+            print(mode, B, {k: v for k, v in r.items() if k not in ("tokens", "prompt")}, flush=True)
+    models.clear()
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return res
 
 
@@ -148,12 +177,12 @@ def markdown(res: dict) -> str:
         comp = modes.get("torch.compile", {}).get("tok_s")
         L += [
             f"\n**Greedy decoding, {key}** ({prompt}-token prompt, {new} new tokens)\n",
-            "| mode | tokens/s | vs eager | vs compile | first generate() s | sequences as eager's |",
-            "|---|---|---|---|---|---|",
+            "| mode | tokens/s | vs eager | vs compile | time over torch.compile's, median (range) of the rounds | first generate() s | sequences as eager's |",
+            "|---|---|---|---|---|---|---|",
         ]
         for m, r in modes.items():
             if "error" in r:
-                L.append(f"| {m} | error: {r['error'][:80]} | | | | |")
+                L.append(f"| {m} | error: {r['error'][:80]} | | | | | |")
                 continue
             ve = f"{r['tok_s'] / eager:.2f}x" if eager else "-"
             vc = f"{r['tok_s'] / comp:.2f}x" if comp else "-"
@@ -163,7 +192,9 @@ def markdown(res: dict) -> str:
                 gaps = [d["top_two_gap"] for d in a["diverged"] if d["top_two_gap"] is not None]
                 if gaps:
                     same += f" (largest top-two gap where one left: {max(gaps):.3g})"
-            L.append(f"| {m} | {r['tok_s']:,.1f} | {ve} | {vc} | {r['first_call_s']:.1f} | {same} |")
+            per = r.get("vs_compile_rounds")
+            rounds = f"{per[len(per) // 2]:.3f} ({per[0]:.3f}-{per[-1]:.3f})" if per else "-"
+            L.append(f"| {m} | {r['tok_s']:,.1f} | {ve} | {vc} | {rounds} | {r['first_call_s']:.1f} | {same} |")
     return "\n".join(L) + "\n"
 
 
@@ -174,13 +205,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds, every mode once per round")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: needs a CUDA GPU (the numbers are GPU timings)", file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
     batches = tuple(int(b) for b in a.batches.split(","))
-    res = run(batches, a.prompt, a.new, tuple(m.strip() for m in a.modes.split(",")))
+    res = run(batches, a.prompt, a.new, tuple(m.strip() for m in a.modes.split(",")), rounds=a.rounds)
     doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), decode=res)
     json.dump(doc, open(os.path.join(a.out, "decode.json"), "w"), indent=1)
     md = f"Greedy decoding, bf16, {doc['gpu']}, {doc['date']}\n" + markdown(res)

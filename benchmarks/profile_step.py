@@ -1,6 +1,6 @@
 """Where a training step's host time goes, per mode, side by side in one process: the step's wall
 time, the host time to launch its forward and its backward (nothing waits for the GPU in them),
-the kernels it launches and their device time, and the Python functions that took the most host
+the kernels it launches and their device time (in all and by kernel), and the Python functions that took the most host
 time (cProfile, one step).
 
     python benchmarks/profile_step.py [--shape "llama-135m 8x1024"] [--modes "torch.compile,kernelgraft (inductor)"]
@@ -63,6 +63,11 @@ def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 30) -> dict:
         step(False)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict = {}
+    for e in kernels:  # where the device time goes: kernels of one name summed
+        ms, n = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (ms + e.device_time / 1e3, n + 1)
+    top_kernels = sorted(((ms, n, k[:90]) for k, (ms, n) in by_name.items()), reverse=True)[:top]
     pr = cProfile.Profile()
     pr.enable()
     step(False)
@@ -77,6 +82,7 @@ def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 30) -> dict:
         host_bwd_ms=med(host["bwd"]),
         kernels=len(kernels),
         device_ms=sum(e.device_time for e in kernels) / 1e3,
+        top_kernels=[dict(ms=ms, count=n, kernel=k) for ms, n, k in top_kernels],
         cprofile=buf.getvalue(),
     )
     rep = getattr(model, "kernelgraft_report", None)
@@ -98,7 +104,7 @@ def main(argv=None) -> int:
     res = {}
     for mode in a.modes.split(","):
         res[mode] = profile_mode(a.shape, mode, a.steps)
-        print(mode, {k: v for k, v in res[mode].items() if k != "cprofile"}, flush=True)
+        print(mode, {k: v for k, v in res[mode].items() if k not in ("cprofile", "top_kernels")}, flush=True)
     json.dump(
         dict(shape=a.shape, gpu=torch.cuda.get_device_name(), modes=res),
         open(os.path.join(a.out, "profile_step.json"), "w"),
@@ -113,6 +119,9 @@ def main(argv=None) -> int:
         L.append(
             f"| {m} | {r['wall_ms']:.2f} | {r['host_fwd_ms']:.2f} | {r['host_bwd_ms']:.2f} | {r['kernels']} | {r['device_ms']:.2f} |"
         )
+    for m, r in res.items():
+        L += [f"\n{m}: device time by kernel (one step)\n", "| ms | launches | kernel |", "|---|---|---|"]
+        L += [f"| {k['ms']:.3f} | {k['count']} | `{k['kernel']}` |" for k in r["top_kernels"]]
     for m, r in res.items():
         L += [
             f"\n{m}: host time by function (cProfile, one step)\n",

@@ -17,7 +17,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def test_decode_measures_every_mode_and_compares_tokens_with_eager():
     res = bench_decode.run(
         batches=(1, 2), prompt=6, new=4, modes=("eager", "kernelgraft (eager)"), device="cpu",
-        cfg=TINY, dtype=torch.float32,
+        cfg=TINY, dtype=torch.float32, rounds=2,
     )  # fmt: skip
     assert set(res) == {"batch 1", "batch 2"}
     for key, B in (("batch 1", 1), ("batch 2", 2)):
@@ -27,6 +27,7 @@ def test_decode_measures_every_mode_and_compares_tokens_with_eager():
         assert mine["tokens"] == eager["tokens"] and mine["repeatable"]
         assert mine["agreement"] == dict(identical=B, of=B, diverged=[])
         assert mine["tok_s"] > 0 and mine["first_call_s"] > 0
+        assert len(mine["times_ms"]) == len(eager["times_ms"]) == 2  # one timed call per round
     md = bench_decode.markdown(res)
     assert "**Greedy decoding, batch 2** (6-token prompt, 4 new tokens)" in md
     assert "| kernelgraft (eager) |" in md and "| 2 of 2 |" in md

@@ -1,5 +1,5 @@
 """Triton source pieces every generated module shares: the header (imports and the @jit helpers
-the printed expressions call: bf16 rounding, an accurate tanh, sech^2) and sympy expressions as
+the printed expressions call: bf16 rounding, an accurate tanh, sech^2, the pair swap) and sympy expressions as
 CSE'd assignment lines."""
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ def _sech2(x):
     # 1 - tanh(x)^2 = 4w / (1 + w)^2, w = e^(-2|x|): accurate where tanh saturates (1 - t^2 cancels)
     w = tl.exp(-2.0 * tl.abs(x))
     return 4.0 * w / ((1.0 + w) * (1.0 + w))
+
+
+@triton.jit
+def _swap_pairs(v, BM: tl.constexpr, BN: tl.constexpr):
+    # v's columns (2i, 2i+1) exchanged, in registers: the pair rotation's partner without a second
+    # load at odd-even offsets, which the compiler cannot vectorize
+    a, b = tl.split(tl.reshape(v, (BM, BN // 2, 2)))
+    return tl.reshape(tl.join(b, a), (BM, BN))
 """
 
 

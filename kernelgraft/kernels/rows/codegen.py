@@ -58,11 +58,8 @@ def _rotation(indent: str, needed: set, rotation: str = "half") -> list[str]:
     half of the row) or rotate_pairs' (the other column of each (even, odd) pair)."""
     if not any(n.endswith("__p") or n == "sgn" for n in needed):
         return []
-    if rotation == "pairs":
-        return [
-            f"{indent}pcols = cols + 1 - 2 * (cols % 2)",
-            f"{indent}sgn = tl.where(cols % 2 == 0, -1.0, 1.0)",
-        ]
+    if rotation == "pairs":  # the partner is swapped in registers (_partner): no column map
+        return [f"{indent}sgn = tl.where(cols % 2 == 0, -1.0, 1.0)"]
     return [f"{indent}pcols = (cols + N // 2) % N", f"{indent}sgn = tl.where(cols < N // 2, -1.0, 1.0)"]
 
 
@@ -89,22 +86,26 @@ def _elem_loads(spec: Spec, names: list[str], indent: str, needed: set) -> list[
     out = []
     for t in names:
         out.append(f"{indent}{t}_o = {_offset(t)}")
-        for var, c in ((t, "cols"), (f"{t}__p", "pcols")):
-            if var == t or var in needed:
-                out.append(
-                    f"{indent}{var} = tl.load({t}_ptr + {t}_o + {c} * {t}_sc, mask=mask, other=0.0).to(tl.float32)"
-                )
+        out.append(f"{indent}{t} = tl.load({t}_ptr + {t}_o + cols * {t}_sc, mask=mask, other=0.0).to(tl.float32)")
+        if f"{t}__p" in needed:
+            out.append(_partner(spec, t, f"{t}_ptr + {t}_o", "mask", "BLOCK_M", indent))
     return out
+
+
+def _partner(spec: Spec, t: str, base: str, mask: str, rows: str, indent: str) -> str:
+    """`t` read at the rotated column: the pairs' partner is swapped in registers from the row
+    already loaded; the half rotation's is a second, contiguous load."""
+    if spec.rotation == "pairs":
+        return f"{indent}{t}__p = _swap_pairs({t}, {rows}, BLOCK_N)"
+    return f"{indent}{t}__p = tl.load({base} + pcols * {t}_sc, mask={mask}, other=0.0).to(tl.float32)"
 
 
 def _col_loads(spec: Spec, indent: str, needed: set) -> list[str]:
     out = []
     for t in _cols(spec):
-        for var, c in ((t, "cols"), (f"{t}__p", "pcols")):
-            if var == t or var in needed:
-                out.append(
-                    f"{indent}{var} = tl.load({t}_ptr + {c} * {t}_sc, mask=cmask, other=0.0).to(tl.float32)"
-                )
+        out.append(f"{indent}{t} = tl.load({t}_ptr + cols * {t}_sc, mask=cmask, other=0.0).to(tl.float32)")
+        if f"{t}__p" in needed:
+            out.append(_partner(spec, t, f"{t}_ptr", "cmask", "1", indent))
     return out
 
 
@@ -276,7 +277,7 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     L.append(f"{IND}g_o = {_offset('g')}")
     L.append(f"{IND}g = tl.load(g_ptr + g_o + cols * g_sc, mask=mask, other=0.0).to(tl.float32)")
     if "g__p" in needed:
-        L.append(f"{IND}g__p = tl.load(g_ptr + g_o + pcols * g_sc, mask=mask, other=0.0).to(tl.float32)")
+        L.append(_partner(spec, "g", "g_ptr + g_o", "mask", "BLOCK_M", IND))
     L += _elem_loads(spec, _elems(spec), IND, needed)
     wide = in_float64(spec)
     stats = [r.symbol.name for r in spec.reductions]

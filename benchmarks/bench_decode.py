@@ -151,7 +151,7 @@ def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None
                 ids, kw, _, _ = firsts[mode]
                 last[mode], t = timed_generate(models[mode], ids, kw, device)
                 times[mode].append(t)
-        for mode, (ids, kw, out, first) in firsts.items():
+        for mode, (_, _, out, first) in firsts.items():
             r = _result(out, last.get(mode, out), first, times[mode] or [first], B, prompt, new)
             if "torch.compile" in times and times[mode]:
                 per = sorted(a / b for a, b in zip(times[mode], times["torch.compile"]))

@@ -94,3 +94,17 @@ def test_unrelated_model_untouched_by_local_pattern():
     assert (
         kernelgraft.explain(model, torch.randint(0, 128, (1, 4)), patterns=[layer_norm_nobias]).counts() == {}
     )
+
+
+def test_a_value_read_in_two_dtypes_gets_each_gradient_rounded_to_its_dtype():
+    """DeepSeek-V4's unweighted norm reads x twice: in bf16 (x * scale) and through x.float(). Autograd
+    hands x each gradient in x's dtype (the cast's backward rounds to bf16) and then sums them; a
+    backward that summed the float32 term unrounded was 1.17x eager's x-gradient error on this case
+    (4 rows of 8, outliers, seed 840: drawn by the thorough profile on an H200, the same on the CPU)."""
+    from kernelgraft.gradcheck.strategies import _values
+    from kernelgraft.patterns import REGISTRY
+
+    sp = REGISTRY.get("rms_norm", "no_weight_scale")
+    args = _values(sp.example_args(4, 8, torch.bfloat16, 840), "outliers")
+    verdicts = check_spelling(sp, args, compile_ref=False)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]

@@ -202,6 +202,25 @@ def test_float32_norms_on_long_constant_rows_and_cancelling_gradients(name, wher
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
 
 
+@pytest.mark.parametrize("name", ["affine", "weight_only", "plain"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n", [13, 4096, 5000])
+def test_layer_norm_of_constant_rows_gives_the_bias(name, dtype, n):
+    """A constant row's mean is its value and its variance 0, so LayerNorm gives the bias exactly
+    (eager's Welford mean does); a float32 mean by Triton's `/` (CUDA's approximate division) was
+    an ulp off on such rows: the output off by 5e-5 and the weight gradient, 0 in truth, nonzero
+    (drawn by the thorough profile on an H200: 4 rows of 13, bf16, seed 1)."""
+    from kernelgraft.gradcheck.strategies import _values
+
+    sp = REGISTRY.get("layer_norm", name)
+    args = _values(sp.example_args(4, n, dtype, 1), "constant_rows")
+    args = tuple(
+        a.detach().to(CUDA).requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in args
+    )
+    verdicts = check_spelling(sp, args, compile_ref=False)
+    assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+
+
 # ---- tensors over 2**31 elements (64-bit offsets) ---------------------------------------------------
 
 BIG = 2**31 + 2**22  # elements: offsets past what int32 holds

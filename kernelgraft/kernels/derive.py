@@ -110,7 +110,10 @@ def derive(spec: Spec, device: str = "cpu") -> Backward:
                 continue
             c = G * d
             if n.level != "col":
-                c = _round(c, n.dtype)
+                # computed in the op's dtype, then cast to the input's: autograd hands each input a
+                # gradient of its own dtype (a cast's backward, a promoted op's), before summing
+                # it with the input's other gradients
+                c = _round(_round(c, n.dtype), inp.dtype)
             contrib.setdefault(id(inp), []).append((c, n.level))
     for name in spec.tensors:
         grads.setdefault(name, sympy.S.Zero)

@@ -203,10 +203,12 @@ def _reduction_lines(spec: Spec, indent: str, wide: bool, stats_store: bool) -> 
         L.append(f"{indent}# {red.symbol} = {'mean' if red.mean else 'sum'}_j({red.summand})")
         lines, (e,) = emit.cse_lines([red.summand], f"s{k}_", indent)
         L += lines
-        div = " / Nf" if red.mean else ""
-        L.append(
-            f"{indent}{red.symbol} = tl.reduce(tl.where(mask, {e}, 0.0), 1, tl.standard._sum_combine)[:, None]{div}"
-        )
+        total = f"tl.reduce(tl.where(mask, {e}, 0.0), 1, tl.standard._sum_combine)[:, None]"
+        if red.mean:  # divided as the reference divides, correctly rounded: a float32 `/` compiles
+            # to CUDA's approximate division (2 ulp), which leaves a constant row's mean off its
+            # value and LayerNorm's output on such a row off its bias (float64 division is exact)
+            total = f"{total} / Nf" if wide else f"tl.math.div_rn({total}, Nf)"
+        L.append(f"{indent}{red.symbol} = {total}")
         if stats_store:
             L.append(
                 f"{indent}tl.store(stats_ptr + rows * {K} + {k}, {_stored(red.symbol, wide)}, mask=rmask)"

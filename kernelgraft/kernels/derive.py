@@ -110,10 +110,13 @@ def derive(spec: Spec, device: str = "cpu") -> Backward:
                 continue
             c = G * d
             if n.level != "col":
-                # computed in the op's dtype, then cast to the input's: autograd hands each input a
-                # gradient of its own dtype (a cast's backward, a promoted op's), before summing
-                # it with the input's other gradients
-                c = _round(_round(c, n.dtype), inp.dtype)
+                c = _round(c, n.dtype)
+                if inp.level == n.level:
+                    # then cast to the input's dtype: autograd hands an input of the op's shape a
+                    # gradient of its own dtype (a cast's backward, a promoted op's) before summing
+                    # it with the input's other gradients; a broadcast input's gradient is summed
+                    # over the broadcast dims first, then cast (the row and column sums round it)
+                    c = _round(c, inp.dtype)
             contrib.setdefault(id(inp), []).append((c, n.level))
     for name in spec.tensors:
         grads.setdefault(name, sympy.S.Zero)

@@ -3,7 +3,7 @@ hidden 64, nothing downloaded) and explained with labels: the sites its own modu
 the sites kernelgraft serves, and why the rest are not served.
 
 Expected sites come from the model, not from kernelgraft: each norm module it calls (hooks; a class
-name with "Norm"), RoPE on q and on k of each attention module it calls where it has a rotary
+name ending in "Norm", or "Norm" and a qualifier: Gated, PerHead, 1P), RoPE on q and on k of each attention module it calls where it has a rotary
 embedding module, one gated MLP per MLP module it calls that has a gate projection (and per experts
 module of an MoE block), one LM head + loss. A model is fully served when every expected site is
 AND the loss and every gradient of kernelgraft.optimize(model) pass the accuracy rule against the
@@ -90,7 +90,7 @@ def expected(model, b) -> dict:
 
     def kind(m) -> str | None:
         n = _name(m)
-        if "Norm" in n:
+        if re.search(r"Norm(Gated|PerHead|Zero|[0-9][0-9A-Za-z]*)?$", n):  # not ...PreLayerNormSelfAttention
             return "norm"
         if (
             "Attention" in n

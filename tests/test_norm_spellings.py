@@ -204,3 +204,32 @@ def test_a_size_1_view_stays_a_view_where_an_op_reads_another_dim():
     mine = kernelgraft.optimize(OverTheUnitDim(), backend="eager")
     assert torch.allclose(mine(x), OverTheUnitDim()(x), rtol=1e-6)
     assert not mine.kernelgraft_report.sites, str(mine.kernelgraft_report)
+
+
+def test_a_module_named_for_a_norm_it_holds_is_not_reported_as_a_norm():
+    """RoBERTa-PreLayerNorm's attention, layer and output classes carry "Norm" in their names without
+    being norms: only a name that ends in "Norm" (or "Norm" and a qualifier: MambaRMSNormGated,
+    NemotronLayerNorm1P) is taken for a norm module, and a norm that is not served is still reported."""
+
+    class PreLayerNormSelfAttention(nn.Module):
+        def __init__(self, n=32):
+            super().__init__()
+            self.proj = nn.Linear(n, n)
+
+        def forward(self, x):
+            return self.proj(x).softmax(-1)
+
+    class OddNorm1P(nn.Module):  # a norm nothing serves: x / max|x|
+        def forward(self, x):
+            return x / x.abs().amax(-1, keepdim=True)
+
+    class Block(nn.Module):
+        def __init__(self, n=32):
+            super().__init__()
+            self.attn, self.norm = PreLayerNormSelfAttention(n), OddNorm1P()
+
+        def forward(self, x):
+            return self.norm(self.attn(x)).sum()
+
+    rep = kernelgraft.explain(Block(), torch.randn(2, 5, 32))
+    assert [(u.module, u.kind, u.cls) for u in rep.unserved] == [("norm", "norm", "OddNorm1P")], str(rep)

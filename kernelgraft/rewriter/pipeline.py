@@ -14,6 +14,7 @@ The graph is then lowered by the backend (backend.py). Every pass adds to one Re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -131,8 +132,17 @@ def _rank(nm) -> tuple:
     return nm.matched, not nm.expected
 
 
-# a module whose class name says what it is: the sites a decoder's norms and MLPs should have
-_MODULE_KINDS = (("Norm", "norm"), ("MLP", "mlp"), ("Mlp", "mlp"))
+# a module whose class name says what it is: the sites a decoder's norms and MLPs should have. A
+# norm's name ends in "Norm", or in "Norm" and a qualifier (MambaRMSNormGated, NemotronLayerNorm1P,
+# StableLmLayerNormPerHead); "Norm" followed by another module's word names a module that is not a
+# norm (RobertaPreLayerNormSelfAttention, ...Layer, ...Output)
+_NORM_NAME = re.compile(r"Norm(Gated|PerHead|Zero|[0-9][0-9A-Za-z]*)?$")
+
+
+def _module_kind(name: str) -> str | None:
+    if _NORM_NAME.search(name):
+        return "norm"
+    return "mlp" if "MLP" in name or "Mlp" in name else None
 
 
 # the patterns that serve a module of each kind: a norm module whose gated product alone was
@@ -154,7 +164,7 @@ def unserved(g: Graft) -> None:
         for path, cls in (stack or {}).values():
             if (path, cls) not in modules:
                 name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
-                kind = next((k for part, k in _MODULE_KINDS if part in name), None)
+                kind = _module_kind(name)
                 modules[path, cls] = None if kind is None else (readable_path(path), name, kind)
             key = modules[path, cls]
             if key is None:

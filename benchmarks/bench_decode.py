@@ -3,7 +3,7 @@ Llama-3.2-1B shape, a 128-token prompt and 64 new tokens at batch 1 and 8, bf16,
 torch.compile, and kernelgraft (inductor and eager backends), side by side in one process.
 
 Per mode and batch: tokens/s (the median of timed calls after the first; the modes are timed in
-turns, one call each per round), each round's time over torch.compile's, the first call's seconds
+turns, one `generate()` each per round), each round's time over torch.compile's, the first call's seconds
 (compiles included), and how many sequences are token for token eager's (random weights make
 near-ties between the top two logits, where any other rounding may pick the other token: the first
 position where a sequence leaves eager's is reported with the gap between eager's top two logits

@@ -27,7 +27,7 @@ def test_decode_measures_every_mode_and_compares_tokens_with_eager():
         assert mine["tokens"] == eager["tokens"] and mine["repeatable"]
         assert mine["agreement"] == dict(identical=B, of=B, diverged=[])
         assert mine["tok_s"] > 0 and mine["first_call_s"] > 0
-        assert len(mine["times_ms"]) == len(eager["times_ms"]) == 2  # one timed call per round
+        assert len(mine["times_ms"]) == len(eager["times_ms"]) == 2  # one timed generate() per round
     md = bench_decode.markdown(res)
     assert "**Greedy decoding, batch 2** (6-token prompt, 4 new tokens)" in md
     assert "| kernelgraft (eager) |" in md and "| 2 of 2 |" in md

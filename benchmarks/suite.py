@@ -297,7 +297,7 @@ def build(shape, mode):
 def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
     ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
-    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
+    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... inference kernels" (row kernels in graphs without gradients too), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
@@ -319,6 +319,7 @@ def apply_mode(model, mode: str):
             backend="eager" if "(eager" in mode else "inductor",
             mode="reduce-overhead" if "reduce-overhead" in mode else None,
             launch="host" if "host launch" in mode else "inductor",
+            inference="kernels" if "inference kernels" in mode else "inductor",
             lm_head_accumulate=acc,
             **piece,
             recompute=False

@@ -49,13 +49,11 @@ def capture_settings():
     - floats the model reads (a norm's eps, a logit scale) stay numbers in the graph: with
       dynamic shapes dynamo would make them inputs, and the patterns that take them as a Scalar
       (RMSNorm's eps) would no longer match; a float that changes between calls recompiles;
-    - hooks are guarded: a hook registered after the first run recompiles, and then runs
-      (torch.compile alone skips those guards, and such a hook is never called);
     - a logging statement in the model (transformers' `logger.warning_once` in `loss_function`, which
       splits GPT-2's graph between its LM head and its loss) is dropped, not a graph break:
       the message is not printed while the model runs compiled."""
     cfg = torch._dynamo.config
-    patch = dict(specialize_float=True, skip_nnmodule_hook_guards=False)
+    patch = dict(specialize_float=True)
     key = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(cfg, k)), None)
     if key is not None:
         patch[key] = set(getattr(cfg, key)) | logging_functions()

@@ -15,6 +15,8 @@ DDP_PIECE_MB = 100.0  # the least parameter size of a piece of a DDP-wrapped gra
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 LAUNCHES = ("inductor", "host")  # who launches the kernels under inductor: its generated code, or ours
+# who serves the row sites (norms, RoPE, gated MLPs) of a graph captured without gradients under inductor
+INFERENCE = ("inductor", "kernels")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Options:
     ddp_piece_mb: float | None = DDP_PIECE_MB
     mode: str | None = None  # torch.compile's mode; None: "default"
     launch: str = "inductor"
+    inference: str = "inductor"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -55,6 +58,8 @@ class Options:
             )
         if self.launch not in LAUNCHES:
             raise ValueError(f"kernelgraft: launch must be one of {LAUNCHES}, got {self.launch!r}")
+        if self.inference not in INFERENCE:
+            raise ValueError(f"kernelgraft: inference must be one of {INFERENCE}, got {self.inference!r}")
         if not isinstance(self.recompute, bool) and self.recompute != "separate":
             raise ValueError(
                 f"kernelgraft: recompute must be True, False or 'separate', got {self.recompute!r}"
@@ -110,6 +115,14 @@ class Options:
         """Inductor's generated code launches the kernels (where their arguments allow it: CUDA,
         static sizes; rewriter/lowering.py)."""
         return self.backend == "inductor" and self.launch == "inductor"
+
+    def rows_left_to_inductor(self, training: bool) -> bool:
+        """Whether a graph's row sites are left to inductor: a graph without gradients (generate(),
+        evaluation) under the inductor backend with inference="inductor". There a row kernel would
+        compute what inductor computes (it rounds as inductor's fused code does), one more launch:
+        inductor fuses a norm with the residual add before it, RoPE with the KV cache's
+        concatenation after it."""
+        return not training and self.backend == "inductor" and self.inference == "inductor"
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)

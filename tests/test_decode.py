@@ -39,3 +39,39 @@ def test_generate_compiles_as_many_graphs_as_torch_compile_and_gives_eager_token
     assert report.graphs == graphs
     assert report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2}  # every site of the last graph
     assert not report.fallbacks
+
+
+def test_under_inductor_a_graph_without_gradients_leaves_its_row_sites_to_inductor():
+    """generate() under the inductor backend: the norms, RoPE and MLPs of its graphs are left to
+    inductor (fused with the residual adds and the cache's concatenation), reported with why, and
+    the tokens are eager's; a training step of the same model then serves every site, and
+    inference="kernels" serves the decoding graphs too."""
+    torch._dynamo.reset()
+    stock = tiny_model("llama", torch.float32).eval()
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        want = stock.generate(ids, **kw)
+    for inference in ("inductor", "kernels"):
+        model = kernelgraft.optimize(tiny_model("llama", torch.float32).eval(), inference=inference)
+        with torch.no_grad():
+            got = model.generate(ids, **kw)
+        assert torch.equal(got, want), inference
+        report = model.kernelgraft_report
+        left = [f for f in report.fallbacks if f.reason.startswith("left to inductor")]
+        if inference == "kernels":
+            assert not left and report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2}
+            continue
+        assert (
+            not report.counts()
+            and sorted(f.pattern for f in left) == ["gated_mlp"] * 2 + ["rms_norm"] * 5 + ["rope"] * 4
+        )
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()  # gradients on: another capture, kernels served
+        assert report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}

@@ -277,6 +277,34 @@ def test_a_forward_hook_registered_after_the_first_call_runs():
     assert mine.kernelgraft_report.counts() == FULL
 
 
+def test_a_removed_hook_stops_running_and_a_global_hook_added_later_runs():
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    b = batch()
+    seen = []
+
+    def double_output(module, inputs, output):
+        seen.append(module)
+        return output * 2
+
+    handle = mine.model.layers[0].mlp.register_forward_hook(double_output)
+    hooked = mine(**b).loss
+    assert len(seen) == 1 and not torch.equal(hooked, stock(**b).loss)
+    handle.remove()
+    torch.testing.assert_close(mine(**b).loss, stock(**b).loss, rtol=1e-5, atol=0)
+    assert len(seen) == 1  # removed: not called again
+
+    def triple_norms(module, inputs, output):
+        return output * 3 if type(module).__name__ == "LlamaRMSNorm" else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(triple_norms)
+    try:
+        torch.testing.assert_close(mine(**b).loss, stock(**b).loss, rtol=1e-5, atol=0)
+    finally:
+        handle.remove()
+    assert mine.kernelgraft_report.counts() == FULL
+
+
 def test_full_backward_hooks_are_named_in_a_warning():
     mine = kernelgraft.optimize(tiny_model("llama"), backend="eager")
     seen = []

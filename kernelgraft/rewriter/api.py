@@ -32,6 +32,7 @@ def optimize(
     ddp_piece_mb: float | None = Options.ddp_piece_mb,
     mode: str | None = Options.mode,
     launch: str = Options.launch,
+    inference: str = Options.inference,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object. The
     options are kernelgraft.Options' (validated there, with their defaults).
@@ -77,6 +78,12 @@ def optimize(
     `launch` (inductor backend, CUDA): "inductor" (default) has inductor's generated code launch
     the kernels, their grids and strides fixed when the graph compiles (rewriter/lowering.py);
     "host" launches them from kernelgraft's Python launcher on every call (the eager backend's way).
+    `inference` (inductor backend): who serves the norms, RoPE and gated MLPs of a graph captured
+    without gradients (`generate()`, evaluation under `torch.no_grad()`): "inductor" (default)
+    leaves them to inductor, which fuses each with the ops around it (a norm with the residual add
+    before it, RoPE with the KV cache's concatenation after it: fewer launches per decoded token,
+    the same numbers, since the kernels round as inductor's fused code does); "kernels" serves
+    them with kernelgraft's forward kernels.
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -96,12 +103,10 @@ def optimize(
         ddp_piece_mb=ddp_piece_mb,
         mode=mode,
         launch=launch,
+        inference=inference,
     )
     grafter = Grafter(patterns=patterns, options=options)
-    # what Module.compile does, through an entry function of this model's own (see fresh_entry)
-    compiled = torch.compile(
-        fresh_entry(f"{type(model).__name__}@{id(model):x}"), backend=grafter, dynamic=dynamic
-    )
+    compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
     settings = dict(dataclasses.asdict(options), patterns=patterns, dynamic=dynamic)  # optimize()'s arguments
@@ -111,6 +116,85 @@ def optimize(
     # Module.compile would replace the compiled call with a plain torch.compile: said, and not done
     model.__dict__["compile"] = functools.partial(_compile_again, model)
     return model
+
+
+# the hooks a module call runs: torch's global ones and each module's own
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hook_dicts(model: torch.nn.Module) -> tuple:
+    """The dicts that hold the hooks a call of `model` runs (torch's global ones, then its modules')."""
+    from torch.nn.modules import module as nn_module
+
+    found = [
+        getattr(nn_module, name) for name in _GLOBAL_HOOKS if isinstance(getattr(nn_module, name, None), dict)
+    ]
+    for m in model.modules():
+        found += [d for name in _MODULE_HOOKS if isinstance(d := m.__dict__.get(name), dict)]
+    return tuple(found)
+
+
+class _Compiled:
+    """An optimized model's compiled call (what Module.compile makes, through an entry function of
+    the model's own: see fresh_entry), compiled afresh when the model's hooks change.
+
+    torch.compile does not guard a module's hooks (`skip_nnmodule_hook_guards`): a hook registered
+    after the first call would never run, a removed one would keep running. Guarding them in dynamo
+    costs every call a check of every module (0.8 ms a call of a 16-layer model on a CI core). Here
+    a call compares one counter, torch's count of hook handles ever made, and the sizes of the hook
+    dicts; only when either moved are the hooks themselves compared, and a changed set of hooks
+    starts a new entry (a new capture, with the hooks in it)."""
+
+    def __init__(self, grafter: Grafter, dynamic: bool | None, tag: str):
+        self.grafter, self.dynamic, self.tag = grafter, dynamic, tag
+        self.dicts: tuple = ()
+        self.sizes: tuple | None = None  # the dicts' sizes when last compared; None: all empty
+        self.hooks: tuple | None = None  # the hook ids of each dict, when last compared
+        self.handles = -1  # torch's count of hook handles, when last compared
+        self.graphs = -1  # the report's graph count when the dicts were last listed
+        self.fn = self._entry()
+
+    def _entry(self):
+        return torch.compile(fresh_entry(self.tag), backend=self.grafter, dynamic=self.dynamic)
+
+    def __call__(self, model, *args, **kwargs):
+        if self._hooks_changed(model):
+            self.fn = self._entry()
+            self.grafter.report.forget_captures()  # the new entry's captures are what runs now
+        out = self.fn(model, *args, **kwargs)
+        if self.grafter.report.graphs != self.graphs:  # a new capture: modules may have changed
+            self.graphs = self.grafter.report.graphs
+            self.dicts = _hook_dicts(model)
+            self._compare()
+        return out
+
+    def _hooks_changed(self, model) -> bool:
+        from torch.utils.hooks import RemovableHandle
+
+        if RemovableHandle.next_id == self.handles and (
+            not any(self.dicts) if self.sizes is None else tuple(map(len, self.dicts)) == self.sizes
+        ):
+            return False
+        if not self.dicts:
+            self.dicts = _hook_dicts(model)
+        return self._compare()
+
+    def _compare(self) -> bool:
+        """Note the hooks as they are now; whether they differ from those last noted."""
+        from torch.utils.hooks import RemovableHandle
+
+        hooks = tuple(tuple(d) for d in self.dicts)
+        changed = self.hooks is not None and hooks != self.hooks
+        sizes = tuple(map(len, self.dicts))
+        # None: no hooks at all (most models), where `any` over the dicts is the cheaper check
+        self.hooks, self.sizes, self.handles = hooks, sizes if any(sizes) else None, RemovableHandle.next_id
+        return changed
 
 
 def _compile_again(model, *args, **kwargs) -> None:

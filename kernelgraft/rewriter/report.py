@@ -164,6 +164,11 @@ class RewriteReport:
         self.add(other)
         self.graphs += other.graphs
 
+    def forget_captures(self) -> None:
+        """Drop every capture's records (the model compiles afresh: its earlier graphs no longer run);
+        the count of captures stays."""
+        self.sites, self.fallbacks, self.near_misses, self.unserved, self.masks_kept = [], [], [], [], []
+
     def add(self, other: RewriteReport) -> None:
         """other's records into this capture's (a region of it grafted on its own)."""
         self.sites += other.sites

@@ -16,11 +16,19 @@ from .build import MAX_N, MAX_ROWS, RowKernel, row_kernel
 from .codegen import backward_source, forward_source
 from .ops import GraftedOp, op_for, pair_op_for
 
+# why a row site of a graph without gradients is left to inductor (Options.rows_left_to_inductor)
+INFERENCE = (
+    "left to inductor: a graph without gradients, where inductor fuses this site with the ops around it "
+    "(a residual add, a cache's concatenation) and rounds as the kernel would (inference='kernels' serves it)"
+)
+
 
 class RowFamily(Family):
     name = "row"
 
     def refusal(self, spelling, metas: dict, rounding: str, options=None, training: bool = True) -> str | None:
+        if options is not None and options.rows_left_to_inductor(training):
+            return INFERENCE
         first = metas[spelling.tensor_names[0]]
         N = first.shape[-1] if first.dim() else 1
         if isinstance(N, int) and N > MAX_N:

@@ -52,7 +52,7 @@ def capture_settings():
     - a logging statement in the model (transformers' `logger.warning_once` in `loss_function`, which
       splits GPT-2's graph between its LM head and its loss) is dropped, not a graph break:
       the message is not printed while the model runs compiled.
-    Every call of an optimized model runs inside it (a capture may happen in any call): set with
+    Every forward of an optimized model runs inside it (any forward may capture): set with
     the config's closure patcher where torch has it (a few µs; `config.patch` took 40 µs a call)."""
     cfg = torch._dynamo.config
     key = _LOGGING_KEY

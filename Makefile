@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 # The torch release kernelgraft is tested with on CPU machines; override for another build, e.g.
 #   make test TORCH_SPEC='torch>=2.6'
 TORCH_SPEC ?= torch==2.13.0
+# test processes (pytest-xdist): the suite took 25 min in one and 16 in two on a 2-core machine
+TEST_WORKERS ?= 2
 
 .PHONY: demo test gpu-test coverage lint clean
 
@@ -19,7 +21,7 @@ demo: $(VENV)/.installed
 	$(BIN)/kernelgraft demo
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 gpu-test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m gpu

@@ -41,21 +41,29 @@ def _host_functions(pr: cProfile.Profile, top: int) -> list[dict]:
     return rows[:top]
 
 
-def profile_mode(mode: str, batch: int, prompt: int, new: int, calls: int = 3, top: int = 25) -> dict:
+def profile_mode(
+    mode: str, batch: int, prompt: int, new: int, calls: int = 3, top: int = 25,
+    device: str = "cuda", cfg: dict | None = None, dtype=torch.bfloat16,
+) -> dict:  # fmt: skip
+    """One mode's profile (the model built as bench_decode.build builds it; `cfg` a smaller one).
+    On the CPU no kernels are counted (0): the host side alone."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
     counters.clear()
-    model = build(mode)
-    ids, kw = _request(model, batch, prompt, new, "cuda")
-    out, first = timed_generate(model, ids, kw, "cuda")
-    walls = [timed_generate(model, ids, kw, "cuda")[1] for _ in range(calls)]
+    model = build(mode, cfg=cfg, device=device, dtype=dtype)
+    ids, kw = _request(model, batch, prompt, new, device)
+    out, first = timed_generate(model, ids, kw, device)
+    walls = [timed_generate(model, ids, kw, device)[1] for _ in range(calls)]
     graphs = dict(counters["stats"])
     breaks = sum(counters["graph_break"].values())
-    from torch.profiler import ProfilerActivity, profile
+    kernels = []
+    if device.startswith("cuda"):
+        from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_generate(model, ids, kw, "cuda")
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timed_generate(model, ids, kw, device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict = {}
     for e in kernels:
         ms, n = by_name.get(e.name, (0.0, 0))
@@ -63,7 +71,7 @@ def profile_mode(mode: str, batch: int, prompt: int, new: int, calls: int = 3, t
     top_kernels = sorted(((n, ms, k[:100]) for k, (ms, n) in by_name.items()), reverse=True)[:top]
     pr = cProfile.Profile()
     pr.enable()
-    timed_generate(model, ids, kw, "cuda")
+    timed_generate(model, ids, kw, device)
     pr.disable()
     res = dict(
         first_call_s=first,
@@ -81,8 +89,10 @@ def profile_mode(mode: str, batch: int, prompt: int, new: int, calls: int = 3, t
     if rep is not None:
         res["launched_by"] = dict(rep.launched_by)
         res["sites"] = rep.counts()
+        res["left_to_inductor"] = sum(f.reason.startswith("left to inductor") for f in rep.fallbacks)
     model.to("meta")
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return res
 
 

@@ -43,6 +43,12 @@ def _logging_functions(attributes: tuple) -> frozenset:
     return frozenset(_Method(f) for n in names if callable(f := getattr(logging.Logger, n, None)))
 
 
+# dynamo's set of logging functions it drops while tracing (renamed between torch releases)
+_LOGGING_KEY = next(
+    (k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(torch._dynamo.config, k)), None
+)
+
+
 @contextlib.contextmanager
 def capture_settings():
     """Dynamo's settings while kernelgraft captures a model:
@@ -66,12 +72,6 @@ def capture_settings():
         yield
     finally:
         revert()
-
-
-# dynamo's set of logging functions it drops while tracing (renamed between torch releases)
-_LOGGING_KEY = next(
-    (k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(torch._dynamo.config, k)), None
-)
 
 
 @functools.cache

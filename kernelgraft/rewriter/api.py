@@ -8,6 +8,7 @@ import dataclasses
 import functools
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .._dynamo import capture_settings, fresh_entry
 from ..kernels.fallback import warn_once
@@ -175,20 +176,16 @@ class _Compiled:
         return out
 
     def _hooks_changed(self, model) -> bool:
-        from torch.utils.hooks import RemovableHandle
-
+        """Whether the hooks changed since last noted (the dicts are listed after the first capture:
+        before it there is nothing to compare)."""
         if RemovableHandle.next_id == self.handles and (
             not any(self.dicts) if self.sizes is None else tuple(map(len, self.dicts)) == self.sizes
         ):
             return False
-        if not self.dicts:
-            self.dicts = _hook_dicts(model)
         return self._compare()
 
     def _compare(self) -> bool:
         """Note the hooks as they are now; whether they differ from those last noted."""
-        from torch.utils.hooks import RemovableHandle
-
         hooks = tuple(tuple(d) for d in self.dicts)
         changed = self.hooks is not None and hooks != self.hooks
         sizes = tuple(map(len, self.dicts))

@@ -297,7 +297,7 @@ def build(shape, mode):
 def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
     ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
-    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... inference kernels" (row kernels in graphs without gradients too), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
+    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... inference kernels" (row kernels in graphs without gradients too), "... no projections" (q/k/v and gate/up as separate matmuls), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
@@ -320,6 +320,7 @@ def apply_mode(model, mode: str):
             mode="reduce-overhead" if "reduce-overhead" in mode else None,
             launch="host" if "host launch" in mode else "inductor",
             inference="kernels" if "inference kernels" in mode else "inductor",
+            fuse_projections="no projections" not in mode,
             lm_head_accumulate=acc,
             **piece,
             recompute=False

@@ -45,6 +45,9 @@ class Options:
     mode: str | None = None  # torch.compile's mode; None: "default"
     launch: str = "inductor"
     inference: str = "inductor"
+    # linear layers that read one input (q/k/v, gate/up) as one matmul where it pays
+    # (rewriter/projections.py): training graphs under inductor, small matmuls
+    fuse_projections: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -89,7 +92,7 @@ class Options:
                 "kernelgraft: set lm_head_memory (a budget: kernelgraft picks the chunk) or lm_head_chunk "
                 "(the chunk itself), not both"
             )
-        for name in ("keep_logits", "causal_attention"):
+        for name in ("keep_logits", "causal_attention", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kernelgraft: {name} must be True or False, got {getattr(self, name)!r}")
 

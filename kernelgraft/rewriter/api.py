@@ -34,6 +34,7 @@ def optimize(
     mode: str | None = Options.mode,
     launch: str = Options.launch,
     inference: str = Options.inference,
+    fuse_projections: bool = Options.fuse_projections,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object. The
     options are kernelgraft.Options' (validated there, with their defaults).
@@ -84,7 +85,11 @@ def optimize(
     leaves them to inductor, which fuses each with the ops around it (a norm with the residual add
     before it, RoPE with the KV cache's concatenation after it: fewer launches per decoded token,
     the same numbers, since the kernels round as inductor's fused code does); "kernels" serves
-    them with kernelgraft's forward kernels.
+    them with kernelgraft's forward kernels. `fuse_projections` (default on; inductor backend,
+    training graphs): linear layers that read the same input (a layer's q, k and v; gate and up)
+    run as one matmul on their stacked weights, where that matmul is small enough (at most 1e11
+    flops) that its launches, not its work, set the pace: a 135M model's step, not a 1B one's
+    (the rewriter's projections.py). The stacked weights are made again in the backward, not kept.
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -105,6 +110,7 @@ def optimize(
         mode=mode,
         launch=launch,
         inference=inference,
+        fuse_projections=fuse_projections,
     )
     grafter = Grafter(patterns=patterns, options=options)
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")

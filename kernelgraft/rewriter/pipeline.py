@@ -6,6 +6,7 @@
                    family (kept as stock code, reported) or replaced by one custom-op call
     near misses    failed attempts that got far, the best per module and pattern
     pair          sites of one spelling that can share a launch -> one call (q and k of a layer)
+    projections   linear layers that read one input -> one matmul, where the host sets the pace
     finish         lint and recompile an edited graph
     regions        graphs under activation checkpointing, grafted the same way
 
@@ -23,6 +24,7 @@ import torch
 from ..ir import CGraph, canonicalize
 from ..kernels.fallback import register_site, site_key
 from ..options import Options
+from . import projections as _projections
 from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
 from .replace import argument_nodes, insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
@@ -193,8 +195,15 @@ def pair(g: Graft) -> None:
         pair_launches(g.gm, pairs, g.options.rounding)
 
 
+def projections(g: Graft) -> None:
+    o = g.options
+    if o.fuse_projections and g.training and o.backend == "inductor":
+        g.report.projections += _projections.fuse(g.gm, edit=not g.dry_run)
+
+
 def finish(g: Graft) -> None:
-    if g.report.sites and (not g.dry_run or g.probe is not None):
+    fused = any(r.served for r in g.report.projections)
+    if (g.report.sites or fused) and (not g.dry_run or g.probe is not None):
         g.gm.graph.lint()
         g.gm.recompile()
 
@@ -208,7 +217,9 @@ def regions(g: Graft) -> None:
         g.report.add(run(sub))
 
 
-PASSES = (causal_masks, canonicalize_graph, match_and_replace, near_misses, unserved, pair, finish, regions)
+PASSES = (
+    causal_masks, canonicalize_graph, match_and_replace, near_misses, unserved, pair, projections, finish, regions
+)
 
 
 def run(g: Graft) -> RewriteReport:

@@ -122,6 +122,9 @@ class RewriteReport:
     # attention calls whose mask was not proven causal (sliding windows, padding, symbolic sizes...):
     # they run as written; the reason says why (rewriter/attention.py)
     masks_kept: list[SiteRecord] = field(default_factory=list)
+    # groups of linear layers that read one input, each fused into one matmul or not, with why
+    # (rewriter/projections.py)
+    projections: list[SiteRecord] = field(default_factory=list)
     graphs: int = 0  # captures seen, recompiles included
     # masks read from graph inputs, checked at run time (attention.MaskCheck: counts of its verdicts)
     mask_checks: list = field(default_factory=list, repr=False, compare=False)
@@ -158,8 +161,9 @@ class RewriteReport:
             self.near_misses = [r for r in self.near_misses if not stale(r)]
             self.unserved = [r for r in self.unserved if not stale(r)]
             self.masks_kept = [r for r in self.masks_kept if not stale(r)]
+            self.projections = [r for r in self.projections if not stale(r)]
         key = frame if frame is not None else self.graphs
-        for r in other.sites + other.fallbacks + other.near_misses + other.unserved + other.masks_kept:
+        for r in other.sites + other.fallbacks + other.near_misses + other.unserved + other.masks_kept + other.projections:
             r.graph = key
         self.add(other)
         self.graphs += other.graphs
@@ -167,7 +171,8 @@ class RewriteReport:
     def forget_captures(self) -> None:
         """Drop every capture's records (the model compiles afresh: its earlier graphs no longer run);
         the count of captures stays."""
-        self.sites, self.fallbacks, self.near_misses, self.unserved, self.masks_kept = [], [], [], [], []
+        self.sites, self.fallbacks, self.near_misses, self.unserved = [], [], [], []
+        self.masks_kept, self.projections = [], []
 
     def add(self, other: RewriteReport) -> None:
         """other's records into this capture's (a region of it grafted on its own)."""
@@ -176,6 +181,7 @@ class RewriteReport:
         self.near_misses += other.near_misses
         self.unserved += other.unserved
         self.masks_kept += other.masks_kept
+        self.projections += other.projections
 
     def __str__(self) -> str:
         head = ["pattern", "module", "shapes", "dtypes", "scalars", "status"]
@@ -205,6 +211,13 @@ class RewriteReport:
                 "kernel calls in compiled graphs: "
                 + ", ".join(f"{v} launched by {k}" for k, v in sorted(self.launched_by.items()))
             )
+        if self.projections:
+            fused = [r for r in self.projections if r.served]
+            out.append(
+                f"linear layers reading one input: {len(fused)} of {len(self.projections)} group(s) "
+                "fused into one matmul each"
+            )
+            out += [f"  - {r.module} ({', '.join(r.shapes)}): {r.reason}" for r in self.projections if not r.served]
         if self.masks_kept:
             out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
             out += [f"  - {r.module}: {r.reason}" for r in self.masks_kept]

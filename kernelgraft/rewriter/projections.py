@@ -1,0 +1,186 @@
+"""Linear layers that read the same input become one matmul (edits the fx graph: after the sites).
+
+A decoder layer projects one normalized input three times (q, k and v) and its MLP twice (gate and
+up). Where the host sets the pace (a small model's training step: a 135M Llama's step on an H200
+launches about 1,600 kernels, 630 of them matmuls), every matmul is a launch whose host time the
+GPU waits for. Here the k linears of a group become
+
+    W = cat([W_1, ..., W_k])                # the weights stacked along the output dim
+    y = linear(x, W)                        # one matmul: [..., N_1 + ... + N_k]
+    y_i = y[..., o_i : o_i + N_i]           # each layer's output, a view
+
+and AOT autograd derives the rest: the input gradient is one matmul over the stacked output
+gradient (k matmuls and k - 1 adds before), the weight gradient one matmul whose rows are each
+weight's gradient. Each output element is the same dot product, accumulated in float32 as before;
+the input gradient is summed in float32 and rounded once where the k gradients were rounded and
+then added in the input's dtype. The stacked weight is tagged for recompute, so the backward stacks
+the weights again (they are at hand anyway) instead of keeping a copy. One cost in memory remains:
+an output saved for the backward as a view keeps the whole fused output alive. Attention saves v,
+so a q/k/v group keeps q's and k's columns too (tokens x (N_q + N_k) per layer: 0.35 GiB at a 135M
+Llama's 8x1024 step, whose peak is several GiB below torch.compile's); gate and up are both saved
+by the gated MLP's backward anyway.
+
+A group is fused only where it pays:
+  - the graph is a training graph under the inductor backend (whose partitioner honours the
+    recompute tag; in a graph without gradients the stacking copy would cost what it saves);
+  - its sizes are static, and the fused matmul is small: at most FUSE_FLOPS. Above that the GPU
+    sets the pace, and the stacking copies (the weights, and the output gradients of the sites'
+    kernels) cost more device time than the launches save: a Llama-3.2-1B step's q/k/v matmul is
+    2 x 16384 x 2048 x 3072 = 206 Gflop;
+  - the weights are distinct tensors of one dtype and device, all with a bias or none.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .report import SiteRecord, module_path
+
+PATTERN, SPELLING = "linear", "shared_input"
+LINEARS = (F.linear, torch._C._nn.linear)
+# the largest fused matmul (2 M K N flops) fused: about 0.15 ms on an H200, where a step of many
+# such launches is host-bound (a 135M Llama's step: 9 and 29 Gflop; the 1B's: 206 and 1100)
+FUSE_FLOPS = 1e11
+
+
+def _value(n):
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
+
+
+def _linear_args(n: fx.Node) -> tuple | None:
+    """(x, w, b) of a linear call (b None without a bias), or None."""
+    if n.op != "call_function" or n.target not in LINEARS:
+        return None
+    names = ("input", "weight", "bias")
+    args = list(n.args) + [n.kwargs.get(k) for k in names[len(n.args) :]]
+    if len(args) < 2 or any(k not in names for k in n.kwargs):
+        return None
+    x, w, b = (args + [None])[:3]
+    return x, w, b
+
+
+def _static(v) -> bool:
+    return isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape)
+
+
+def why_not(members: list[tuple], outs: list | None = None) -> str | None:
+    """Why a group of linears reading one input is not fused (None: it is). members: (x, w, b)
+    example values; outs: their outputs' (an autocast region's edge between them: dtypes differ)."""
+    x = members[0][0]
+    ws = [w for _, w, _ in members]
+    if not _static(x) or not all(_static(w) and w.dim() == 2 for w in ws):
+        return "symbolic sizes, or a weight that is not a matrix"
+    if len({(w.dtype, w.device) for w in ws}) != 1:
+        return "weights of different dtypes or devices"
+    if outs is not None and len({getattr(o, "dtype", None) for o in outs}) != 1:
+        return "outputs of different dtypes (computed under different autocast settings)"
+    bs = [b for _, _, b in members]
+    if any(b is None for b in bs) and not all(b is None for b in bs):
+        return "some with a bias, some without"
+    if any(b is not None and (not _static(b) or b.dim() != 1 or b.dtype != ws[0].dtype) for b in bs):
+        return "a bias that is not a vector of the weights' dtype"
+    flops = 2 * math.prod(x.shape[:-1]) * x.shape[-1] * sum(w.shape[0] for w in ws)
+    if flops > FUSE_FLOPS:
+        return f"a large matmul ({flops / 1e9:.0f} Gflop > {FUSE_FLOPS / 1e9:.0f}): the GPU sets the pace"
+    return None
+
+
+def groups(graph: fx.Graph) -> list[list[fx.Node]]:
+    """Linear calls that read the same input with distinct weights, two or more, in graph order."""
+    by_input: dict = {}
+    for n in graph.nodes:
+        got = _linear_args(n)
+        if got is None or not isinstance(got[0], fx.Node) or not isinstance(got[1], fx.Node):
+            continue
+        members = by_input.setdefault(got[0], [])
+        if all(_linear_args(m)[1] is not got[1] for m in members):
+            members.append(n)
+    return [ms for ms in by_input.values() if len(ms) > 1]
+
+
+def _common_module(nodes: list[fx.Node]) -> str:
+    paths = [module_path(n).split(".") for n in nodes]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common) or "<top>"
+
+
+def fuse(gm: fx.GraphModule, edit: bool = True) -> list[SiteRecord]:
+    """Fuse every group that pays (module docstring); -> a record per group, fused or not (with why)."""
+    records = []
+    for nodes in groups(gm.graph):
+        args = [_linear_args(n) for n in nodes]
+        members = [tuple(_value(a) for a in xwb) for xwb in args]
+        why = why_not(members, [_value(n) for n in nodes])
+        rec = SiteRecord(
+            PATTERN,
+            SPELLING,
+            _common_module(nodes),
+            {module_path(n).rsplit(".", 1)[-1]: tuple(members[i][1].shape) for i, n in enumerate(nodes)},
+            {"weight": str(members[0][1].dtype).removeprefix("torch.")},
+            {},
+            served=why is None,
+            reason=why or "",
+        )
+        records.append(rec)
+        if why is None and edit:
+            _fuse_group(gm.graph, nodes, args, members)
+    return records
+
+
+def _tag(node: fx.Node, like: fx.Node) -> None:
+    for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if k in like.meta:
+            node.meta[k] = like.meta[k]
+
+
+def _fuse_group(graph: fx.Graph, nodes: list[fx.Node], args: list[tuple], members: list[tuple]) -> None:
+    x = args[0][0]
+    first = nodes[0]
+    widths = [w.shape[0] for _, w, _ in members]
+    with graph.inserting_before(first):
+        w = graph.call_function(torch.cat, ([a[1] for a in args], 0))
+        b = None
+        if args[0][2] is not None:
+            b = graph.call_function(torch.cat, ([a[2] for a in args], 0))
+        y = graph.call_function(torch._C._nn.linear, (x, w) if b is None else (x, w, b))
+        outs, at = [], 0
+        for n in widths:
+            outs.append(graph.call_function(operator.getitem, (y, (Ellipsis, slice(at, at + n)))))
+            at += n
+    for n in [w, y, *outs] + ([b] if b is not None else []):
+        _tag(n, first)
+    # the stacked weights are made again in the backward: the weights are saved anyway. Inside the
+    # user's activation checkpointing its tags stand (the whole region is recomputed there)
+    for cat in [w] + ([b] if b is not None else []):
+        if "recompute" in first.meta:
+            for k in ("recompute", "ac_graph_id"):
+                if k in first.meta:
+                    cat.meta[k] = first.meta[k]
+        else:
+            cat.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            cat.meta["ac_graph_id"] = 1
+    # example values (fake tensors, made by their own methods: nothing is computed) for later passes
+    xv, ws, ys = members[0][0], [m[1] for m in members], [_value(n) for n in nodes]
+    if all(isinstance(v, torch.Tensor) for v in (xv, *ws, *ys)):
+        w.meta["example_value"] = ws[0].new_empty((sum(widths), ws[0].shape[1]))
+        if b is not None:
+            b.meta["example_value"] = ws[0].new_empty((sum(widths),))
+        yv = ys[0].new_empty((*ys[0].shape[:-1], sum(widths)))
+        y.meta["example_value"] = yv
+        at = 0
+        for o, n in zip(outs, widths):
+            o.meta["example_value"] = yv[..., at : at + n]
+            at += n
+    for old, new in zip(nodes, outs):
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)

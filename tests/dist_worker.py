@@ -136,8 +136,14 @@ def run_recompute(port):
     ]
     for recompute, wrapped, piece in runs:
         torch._dynamo.reset()
+        # q/k/v and gate/up apart (fuse_projections=False): the tensors and pieces counted here are
+        # the unfused graph's; the fused graph under DDP is checked after the loop
         mine = kernelgraft.optimize(
-            copy.deepcopy(stock), backend="inductor", recompute=recompute, ddp_piece_mb=piece
+            copy.deepcopy(stock),
+            backend="inductor",
+            recompute=recompute,
+            ddp_piece_mb=piece,
+            fuse_projections=False,
         )
         run = wrap(mine, "ddp") if wrapped else mine
         saved = saved_for_backward(run, lambda run=run: run(**b, use_cache=False).loss)
@@ -157,6 +163,13 @@ def run_recompute(port):
             f"pieces {pieces} at {piece}",
             flush=True,
         )
+    torch._dynamo.reset()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")  # projections fused
+    run = wrap(mine, "ddp")
+    bad, _ = failures(*refs, loss_and_grads(mine, b, wrapped=run))
+    fused = sum(r.served for r in mine.kernelgraft_report.projections)
+    pieces = sum(c.get("pieces", 0) for c in mine.kernelgraft_report.ddp_cuts)
+    print(f"projections fused {fused} ddp grads {'ok' if not bad else 'FAIL ' + '; '.join(bad)} pieces {pieces}", flush=True)
     dist.destroy_process_group()
 
 

@@ -108,6 +108,9 @@ def test_recompute_survives_ddp_cutting_the_graph():
     # where it is not recomputed
     assert got[whole][1] == got[cut][1] == got[coarse][1] == 2 * 2, r.stdout
     assert got[whole_off][1] == got[cut_off][1] == 3 * 2, r.stdout
+    # q/k/v and gate/up fused (the default), cut at DDP's buckets: every group fused, the rule holds
+    fused = re.search(r"projections fused (\d+) ddp grads (ok|FAIL.*?) pieces (\d+)", r.stdout)
+    assert fused and fused[1] == str(2 * 2) and fused[2] == "ok" and int(fused[3]) > 1, r.stdout
     # under the cut the forward saves exactly what it saves unwrapped (before: 250,888 of the
     # 251,784 bytes saved without recompute, against 185,352 unwrapped)
     assert got[cut][0] == got[whole][0] == got[coarse][0] < got[cut_off][0] == got[whole_off][0], r.stdout

@@ -4,6 +4,8 @@ gradients exact for any incoming gradient."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny import batch, tiny_model
@@ -292,15 +294,19 @@ def test_cuda_graphs_run_the_kernels_with_exact_gradients_for_any_loss_gradient(
 
 
 def test_generate_with_inductor_launches_gives_eager_tokens():
-    model = tiny_model("llama", torch.float32, device="cuda").eval()  # float32: no near-ties
+    """Greedy decoding gives eager's tokens both ways: by default (graphs without gradients leave
+    their row sites to inductor) and with the row kernels serving them, launched by inductor."""
+    stock = tiny_model("llama", torch.float32, device="cuda").eval()  # float32: no near-ties
     ids = torch.randint(3, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        kernelgraft.optimize(model)
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-    assert torch.equal(want, got)
-    assert model.kernelgraft_report.launched_by["inductor"] > 0
+        want = stock.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        for inference in ("inductor", "kernels"):
+            model = kernelgraft.optimize(copy.deepcopy(stock), inference=inference)
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            assert torch.equal(want, got), inference
+            launched = model.kernelgraft_report.launched_by["inductor"]
+            assert (launched > 0) == (inference == "kernels"), (inference, model.kernelgraft_report)
 
 
 def test_a_small_models_step_reads_nothing_on_the_host():

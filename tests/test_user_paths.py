@@ -201,17 +201,31 @@ def test_autocast_with_labels_is_served_and_passes_the_rule(backend, dtype):
     """float32 weights under autocast: the matmuls run in bf16/fp16 (the LM head's too: canonicalize
     makes autocast's casts explicit, so its kernel gets what the stock linear got), the norms upcast
     themselves. Loss and every gradient by the rule against float64 truth, beside eager under the
-    same autocast; every site served, the backward called inside the autocast region as users do."""
+    same autocast; every site served, the backward called inside the autocast region as users do.
+    Judged over four batches at once (each quantity's values from all of them in one vector): with
+    q/k/v fused into one matmul the rounding differs from eager's in order, not in kind, and one
+    batch is one draw of it (measured over 8 batches, per parameter: kernelgraft's error over
+    eager's has median 0.98 fused and apart alike)."""
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
-    b = batch()
-    truth_loss, truth = loss_and_grads(copy.deepcopy(stock).double(), b)
-    with torch.autocast("cpu", dtype=dtype):
-        eager_loss, eager = loss_and_grads(stock, b)
-        loss, got = loss_and_grads(mine, b)
+    truth_model = copy.deepcopy(stock).double()
+    runs = {"truth": [], "eager": [], "mine": []}
+    for seed in (1, 2, 3, 4):
+        b = batch(seed=seed)
+        runs["truth"].append(loss_and_grads(truth_model, b))
+        with torch.autocast("cpu", dtype=dtype):
+            runs["eager"].append(loss_and_grads(stock, b))
+            runs["mine"].append(loss_and_grads(mine, b))
+
+    def joined(name, key=None):
+        parts = [loss if key is None else grads[key] for loss, grads in runs[name]]
+        return torch.cat([p.reshape(-1) for p in parts])
+
     # against eager alone: a stricter bound than the rule's max(eager, torch.compile), and no CPU compile
-    verdicts = [judge("loss", truth_loss, loss, eager_loss)]
-    verdicts += [judge(f"grad {n}", truth[n], got[n], eager[n]) for n in truth]
+    verdicts = [judge("loss", joined("truth"), joined("mine"), joined("eager"))]
+    verdicts += [
+        judge(f"grad {n}", joined("truth", n), joined("mine", n), joined("eager", n)) for n in runs["truth"][0][1]
+    ]
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
     rep = mine.kernelgraft_report
     assert rep.counts() == FULL, str(rep)

@@ -143,3 +143,46 @@ def test_a_group_with_biases_is_fused_with_its_biases():
     assert groups["model.layers.0.self_attn"] == ("q_proj", "k_proj", "v_proj")
     b = [grafted.model.layers[0].self_attn.q_proj.bias.grad, grafted.model.layers[0].self_attn.v_proj.bias.grad]
     assert b[0].untyped_storage().data_ptr() == b[1].untyped_storage().data_ptr()
+
+
+class _TwoLinears(torch.nn.Module):
+    """Two linears on one input: the second's weight computed after the first linear, or the second
+    run without gradients."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(16, 16, generator=g) / 4)
+        self.b = torch.nn.Parameter(torch.randn(8, 16, generator=g) / 4)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.how = how
+
+    def forward(self, x):
+        y1 = torch.nn.functional.linear(x, self.a)
+        if self.how == "computed weight":
+            y2 = torch.nn.functional.linear(x, self.b * self.scale)
+        else:
+            with torch.no_grad():
+                y2 = torch.nn.functional.linear(x, self.b)
+        return y1.square().sum() + (y2 * self.scale).sum()
+
+
+@pytest.mark.parametrize(
+    "how,why",
+    [
+        ("computed weight", "a weight or bias computed after the first of the layers"),
+        ("no_grad", "a grad-mode or autocast switch between the layers"),
+    ],
+)
+def test_a_weight_made_later_or_a_switch_between_keeps_the_layers_apart(how, why):
+    stock = _TwoLinears(how)
+    mine = kernelgraft.optimize(copy.deepcopy(stock))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    want, got = stock(x), mine(x)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want)
+    for (n, p), q in zip(stock.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=n)
+    recs = mine.kernelgraft_report.projections  # one graph, the switch inside it
+    assert [(r.served, r.reason) for r in recs] == [(False, why)]

@@ -46,7 +46,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .report import SiteRecord, module_path
+from .report import SiteRecord, example_value, module_path
 
 PATTERN = "sdpa"
 SPELLING = "causal_mask"
@@ -82,10 +82,6 @@ def _arg(n: torch.fx.Node, name: str, default=None):
     return n.kwargs.get(name, default)
 
 
-def _value(n) -> object:
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, torch.fx.Node) else n
-
-
 def _static_shape(v) -> tuple | None:
     if not isinstance(v, torch.Tensor):
         return None
@@ -119,7 +115,7 @@ def _slice(mask: torch.fx.Node, inputs_ok: bool = False) -> tuple[list, list] | 
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "placeholder" and inputs_ok and isinstance(_value(n), torch.Tensor):
+        if n.op == "placeholder" and inputs_ok and isinstance(example_value(n), torch.Tensor):
             inputs.add(n)
             continue
         if n.op in ("placeholder", "get_attr"):
@@ -129,7 +125,7 @@ def _slice(mask: torch.fx.Node, inputs_ok: bool = False) -> tuple[list, list] | 
             return f"the mask calls module `{n.target}`"
         if _impure(n, name):
             return f"the mask's producer `{name}` is random or in place"
-        if any(type(_value(a)) is torch.SymInt for a in n.all_input_nodes):
+        if any(type(example_value(a)) is torch.SymInt for a in n.all_input_nodes):
             return "the mask depends on symbolic sizes"
         stack.extend(n.all_input_nodes)
     order = list(mask.graph.nodes)
@@ -226,8 +222,8 @@ def make_causal(
         mask = _arg(n, "attn_mask")
         if not isinstance(mask, torch.fx.Node) or _arg(n, "is_causal", False) is not False:
             continue
-        q, k = _static_shape(_value(_arg(n, "query"))), _static_shape(_value(_arg(n, "key")))
-        rec = _record(n, q, k, _value(mask))
+        q, k = _static_shape(example_value(_arg(n, "query"))), _static_shape(example_value(_arg(n, "key")))
+        rec = _record(n, q, k, example_value(mask))
         why = None
         if q is None or k is None:
             why = "query or key has symbolic sizes"
@@ -260,8 +256,8 @@ def make_causal(
         if grouped is None:
             continue
         (k0, v0), n_rep = grouped
-        q = _static_shape(_value(_arg(n, "query")))
-        done.append(_record(n, q, _static_shape(_value(k0)), None, GQA))
+        q = _static_shape(example_value(_arg(n, "query")))
+        done.append(_record(n, q, _static_shape(example_value(k0)), None, GQA))
         done[-1].scalars = {"n_rep": n_rep}
         if edit:
             _set_args(n, key=k0, value=v0, enable_gqa=True)
@@ -333,7 +329,7 @@ def _repeated(x) -> tuple | None:
     if not new_axis:
         return None
     base = u.args[0]
-    vb, ve, vx = (_static_shape(_value(t)) for t in (base, e, x))
+    vb, ve, vx = (_static_shape(example_value(t)) for t in (base, e, x))
     if vb is None or ve is None or vx is None or len(vb) != 4:
         return None
     B, H, S, D = vb
@@ -349,10 +345,10 @@ def _grouped_kv(n: torch.fx.Node) -> tuple | None:
     if _arg(n, "enable_gqa", False) or not _HAS_GQA:
         return None
     rk, rv = _repeated(_arg(n, "key")), _repeated(_arg(n, "value"))
-    q = _static_shape(_value(_arg(n, "query")))
+    q = _static_shape(example_value(_arg(n, "query")))
     if rk is None or rv is None or q is None or rk[1] != rv[1] or rk[1] < 2:
         return None
-    hk = _static_shape(_value(rk[0]))
+    hk = _static_shape(example_value(rk[0]))
     if len(q) != 4 or q[1] != hk[1] * rk[1]:
         return None
     return (rk[0], rv[0]), rk[1]
@@ -363,6 +359,6 @@ def _record(n: torch.fx.Node, q, k, m, spelling: str = SPELLING) -> SiteRecord:
     shapes = {"query": q or (), "key": k or ()}
     if isinstance(m, torch.Tensor):
         shapes["attn_mask"] = tuple(int(d) if type(d) is int else -1 for d in m.shape)
-    dt = _value(_arg(n, "query"))
+    dt = example_value(_arg(n, "query"))
     dtypes = {"query": str(dt.dtype).replace("torch.", "")} if isinstance(dt, torch.Tensor) else {}
     return SiteRecord(GQA_PATTERN if spelling == GQA else PATTERN, spelling, module, shapes, dtypes, {})

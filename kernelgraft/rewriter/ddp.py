@@ -195,7 +195,7 @@ def _move_groups(graph: torch.fx.Graph, piece_of) -> list[dict]:
     return groups
 
 
-def _global_state(n: torch.fx.Node) -> bool:
+def global_state_switch(n: torch.fx.Node) -> bool:
     """An autocast or grad-mode switch: split_module keeps its effect per piece only when the pieces
     come in graph order, and the ops around it must stay on their side of it."""
     return n.op == "call_function" and n.target in (
@@ -214,7 +214,7 @@ def _in_piece_order(graph: torch.fx.Graph, piece_of, groups: list[dict]) -> dict
     when the order found is not a valid graph (the caller then keeps DDPOptimizer's cut)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     idx = {n: i for i, n in enumerate(nodes)}
-    states = [n for n in nodes if _global_state(n)]
+    states = [n for n in nodes if global_state_switch(n)]
     kept = {}
     for group in groups:  # a group: the nodes moved to one piece for one call
         if all(

@@ -27,7 +27,8 @@ A group is fused only where it pays:
     sets the pace, and the stacking copies (the weights, and the output gradients of the sites'
     kernels) cost more device time than the launches save: a Llama-3.2-1B step's q/k/v matmul is
     2 x 16384 x 2048 x 3072 = 206 Gflop;
-  - the weights are distinct tensors of one dtype and device, all with a bias or none.
+  - the weights are distinct tensors of one dtype and device, all with a bias or none, made before
+    the first of the layers, with no grad-mode or autocast switch between the layers.
 """
 
 from __future__ import annotations
@@ -40,17 +41,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .report import SiteRecord, module_path
+from .ddp import global_state_switch
+from .replace import copy_source_meta, tag_recompute
+from .report import SiteRecord, example_value, module_path
 
 PATTERN, SPELLING = "linear", "shared_input"
 LINEARS = (F.linear, torch._C._nn.linear)
 # the largest fused matmul (2 M K N flops) fused: about 0.15 ms on an H200, where a step of many
 # such launches is host-bound (a 135M Llama's step: 9 and 29 Gflop; the 1B's: 206 and 1100)
 FUSE_FLOPS = 1e11
-
-
-def _value(n):
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
 
 
 def _linear_args(n: fx.Node) -> tuple | None:
@@ -93,15 +92,25 @@ def why_not(members: list[tuple], outs: list | None = None) -> str | None:
 
 def groups(graph: fx.Graph) -> list[list[fx.Node]]:
     """Linear calls that read the same input with distinct weights, two or more, in graph order."""
-    by_input: dict = {}
+    by_input: dict = {}  # x -> {weight node: its first linear}
     for n in graph.nodes:
         got = _linear_args(n)
-        if got is None or not isinstance(got[0], fx.Node) or not isinstance(got[1], fx.Node):
-            continue
-        members = by_input.setdefault(got[0], [])
-        if all(_linear_args(m)[1] is not got[1] for m in members):
-            members.append(n)
-    return [ms for ms in by_input.values() if len(ms) > 1]
+        if got is not None and isinstance(got[0], fx.Node) and isinstance(got[1], fx.Node):
+            by_input.setdefault(got[0], {}).setdefault(got[1], n)
+    return [list(ms.values()) for ms in by_input.values() if len(ms) > 1]
+
+
+def _out_of_order(order: dict, switches: list[int], nodes: list[fx.Node], args: list[tuple]) -> str | None:
+    """Why the group cannot become one call where its first member is: a weight or bias made after
+    that (the fused call reads them all there), or a grad-mode or autocast switch between members
+    (the fused call would run on one side of it). order: the graph's nodes -> position; switches:
+    the positions of its switches."""
+    first, last = order[nodes[0]], order[nodes[-1]]
+    if any(isinstance(p, fx.Node) and order.get(p, last) >= first for _, w, b in args for p in (w, b)):
+        return "a weight or bias computed after the first of the layers"
+    if any(first < at < last for at in switches):
+        return "a grad-mode or autocast switch between the layers"
+    return None
 
 
 def _common_module(nodes: list[fx.Node]) -> str:
@@ -117,10 +126,13 @@ def _common_module(nodes: list[fx.Node]) -> str:
 def fuse(gm: fx.GraphModule, edit: bool = True) -> list[SiteRecord]:
     """Fuse every group that pays (module docstring); -> a record per group, fused or not (with why)."""
     records = []
-    for nodes in groups(gm.graph):
+    found = groups(gm.graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # fusing keeps the others' relative order
+    switches = [i for n, i in order.items() if global_state_switch(n)]
+    for nodes in found:
         args = [_linear_args(n) for n in nodes]
-        members = [tuple(_value(a) for a in xwb) for xwb in args]
-        why = why_not(members, [_value(n) for n in nodes])
+        members = [tuple(example_value(a) for a in xwb) for xwb in args]
+        why = _out_of_order(order, switches, nodes, args) or why_not(members, [example_value(n) for n in nodes])
         rec = SiteRecord(
             PATTERN,
             SPELLING,
@@ -137,12 +149,6 @@ def fuse(gm: fx.GraphModule, edit: bool = True) -> list[SiteRecord]:
     return records
 
 
-def _tag(node: fx.Node, like: fx.Node) -> None:
-    for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if k in like.meta:
-            node.meta[k] = like.meta[k]
-
-
 def _fuse_group(graph: fx.Graph, nodes: list[fx.Node], args: list[tuple], members: list[tuple]) -> None:
     x = args[0][0]
     first = nodes[0]
@@ -157,20 +163,12 @@ def _fuse_group(graph: fx.Graph, nodes: list[fx.Node], args: list[tuple], member
         for n in widths:
             outs.append(graph.call_function(operator.getitem, (y, (Ellipsis, slice(at, at + n)))))
             at += n
-    for n in [w, y, *outs] + ([b] if b is not None else []):
-        _tag(n, first)
-    # the stacked weights are made again in the backward: the weights are saved anyway. Inside the
-    # user's activation checkpointing its tags stand (the whole region is recomputed there)
+    copy_source_meta([w, y, *outs] + ([b] if b is not None else []), first)
+    # the stacked weights are made again in the backward: the weights are at hand anyway
     for cat in [w] + ([b] if b is not None else []):
-        if "recompute" in first.meta:
-            for k in ("recompute", "ac_graph_id"):
-                if k in first.meta:
-                    cat.meta[k] = first.meta[k]
-        else:
-            cat.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            cat.meta["ac_graph_id"] = 1
+        tag_recompute(cat, first, CheckpointPolicy.MUST_RECOMPUTE)
     # example values (fake tensors, made by their own methods: nothing is computed) for later passes
-    xv, ws, ys = members[0][0], [m[1] for m in members], [_value(n) for n in nodes]
+    xv, ws, ys = members[0][0], [m[1] for m in members], [example_value(n) for n in nodes]
     if all(isinstance(v, torch.Tensor) for v in (xv, *ws, *ys)):
         w.meta["example_value"] = ws[0].new_empty((sum(widths), ws[0].shape[1]))
         if b is not None:

@@ -100,6 +100,29 @@ def _shaped_as(g, new: torch.fx.Node, out_fx: torch.fx.Node, made: tuple | None)
         return g.call_method("reshape", (new, tuple(want.shape)))
 
 
+def copy_source_meta(nodes, like: torch.fx.Node) -> None:
+    """Where the nodes standing for `like` came from: its module stack and source, for the report
+    and for torch's own passes."""
+    for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if k in like.meta:
+            for n in nodes:
+                n.meta[k] = like.meta[k]
+
+
+def tag_recompute(node: torch.fx.Node, like: torch.fx.Node, policy) -> bool:
+    """Selective activation checkpointing's tags, read by AOT autograd's partitioner (copied to the
+    traced ops): recompute `node`'s output in the backward. Inside the user's activation
+    checkpointing (`like` tagged already) its tags stand. -> whether kernelgraft's tag was set."""
+    if "recompute" in like.meta:
+        for k in ("recompute", "ac_graph_id"):
+            if k in like.meta:
+                node.meta[k] = like.meta[k]
+        return False
+    node.meta["recompute"] = policy
+    node.meta["ac_graph_id"] = 1
+    return True
+
+
 def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torch.fx.Node:
     """The match's subgraph -> a single op call (returned); `redirect` maps each replaced output
     to the node that now stands for it, for later sites that read it."""
@@ -121,18 +144,9 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
         args = op.bind(named, metas, options)
         call = g.call_function(op.fwd, tuple(args))
         new = g.call_function(operator.getitem, (call, 0))
-    for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if k in out_fx.meta:
-            call.meta[k] = new.meta[k] = out_fx.meta[k]
-    if "recompute" in out_fx.meta:  # inside the user's activation checkpointing: its tags stand
-        for k in ("recompute", "ac_graph_id"):
-            if k in out_fx.meta:
-                call.meta[k] = out_fx.meta[k]
-    elif recompute:
-        # selective activation checkpointing's tags, read by AOT autograd's partitioner (copied to
-        # the traced op): recompute this output in the backward; its inputs are saved anyway
-        call.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-        call.meta["ac_graph_id"] = 1
+    copy_source_meta([call, new], out_fx)
+    # the user's checkpointing tags stand; else, with recompute, ours (its inputs are saved anyway)
+    if ("recompute" in out_fx.meta or recompute) and tag_recompute(call, out_fx, CheckpointPolicy.PREFER_RECOMPUTE):
         call.meta[RECOMPUTE_META] = True  # ours (not the user's checkpointing): ddp.py keeps it whole
     new = _shaped_as(g, new, out_fx, _made_shape(m, named))
     if "example_value" in out_fx.meta:

@@ -6,6 +6,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch.fx
+
 from ..kernels.fallback import failure_of, site_key
 
 _PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
@@ -17,6 +19,12 @@ def module_path(fx_node) -> str:
     if not stack:
         return "<top>"
     return readable_path(list(stack.values())[-1][0])
+
+
+def example_value(n):
+    """The value an fx node held when it was traced (dynamo's example_value, AOT's val); a non-node
+    argument as it is."""
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, torch.fx.Node) else n
 
 
 def readable_path(path: str) -> str:

@@ -139,7 +139,7 @@ def tune_ce(T=1024, V=128256):
     CE_CONFIG["cuda"] is set from."""
     from kernelgraft.kernels.lm_head import kernel as lm_kernel
 
-    fn, _ = lm_kernel._kernel(REGISTRY.get("lm_head_ce", "hf_mean"), torch.bfloat16, "autograd", "cuda")
+    fn = lm_kernel._kernel(REGISTRY.get("lm_head_ce", "hf_mean"), torch.bfloat16, "autograd", "cuda")[0].ce
     z0 = torch.randn(T, V, device="cuda").bfloat16()
     t = torch.randint(0, V, (T,), device="cuda")
     loss = torch.empty(T, device="cuda")

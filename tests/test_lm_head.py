@@ -3,6 +3,7 @@ accuracy rule) over drawn shapes, labels and chunkings; the weight-gradient accu
 exactness for any incoming gradient; logits withheld explicitly; edge cases served or refused."""
 
 import copy
+import dataclasses
 import gc
 import warnings
 
@@ -110,7 +111,7 @@ def test_low_precision_logits_into_cross_entropy_get_the_correctly_rounded_gradi
     accurate as eager's, element by element (the end-to-end gradients, which add the
     rounding of the logits themselves, are within a few percent of eager's either way)."""
     sp, (h, w, t, ii) = make_args("plain_mean", 64, 32, 300, dtype, seed=4)
-    fn, _ = lm_kernel._kernel(sp, dtype, "autograd", "cpu")
+    fn = lm_kernel._kernel(sp, dtype, "autograd", "cpu")[0].ce
     z = (h @ w.t()).detach()
     dz = z.clone()
     counted = (t != ii).sum()
@@ -175,7 +176,9 @@ def broken_ce_kernel(monkeypatch):
 
             return launch
 
-    monkeypatch.setattr(lm_kernel, "_kernel", lambda *a: (Broken(), real(*a)[1]))
+    monkeypatch.setattr(
+        lm_kernel, "_kernel", lambda *a: (dataclasses.replace(real(*a)[0], ce=Broken()), real(*a)[1])
+    )
     monkeypatch.setattr(fallback, "FAILED", {})
     monkeypatch.setattr(fallback, "_FAILED_SITES", {})
     return fallback
@@ -483,7 +486,7 @@ def test_softcap_gradient_rounds_as_each_devices_eager(rounds):
         "cpu": _softcap_logit_grad(z, t, cap, ii, g, torch.tanh),
         "cuda": _softcap_logit_grad(z, t, cap, ii, g, _TanhAsCuda.apply),
     }
-    fn, _ = lm_kernel._kernel(sp, torch.bfloat16, "autograd", "cpu", rounds)
+    fn = lm_kernel._kernel(sp, torch.bfloat16, "autograd", "cpu", rounds)[0].ce
     dz = z.clone()
     loss = torch.empty(z.shape[0])
     counted = (t != ii).sum().float()

@@ -503,3 +503,83 @@ def test_lora_with_2_byte_adapters_stays_a_host_launch_and_says_why():
     assert counts["inductor"] == 0
     (why,) = [k for k in counts if k.startswith("host:")]
     assert "FMA contraction off" in why and "2-byte" in why
+
+
+@pytest.mark.parametrize(
+    "spelling, dtype, accumulate",
+    [("hf_mean", torch.bfloat16, "weight"), ("plain_mean", torch.float32, "fp32")],
+)
+def test_the_deferred_lm_head_traced_runs_as_the_python_launcher(spelling, dtype, accumulate):
+    """The LM head that makes its gradients in the backward (a small head on a GPU, or under CUDA
+    graphs): its forward and backward calls become their launches and matmuls (three chunks, h's
+    gradient joined from them, the weight's summed by addmm), no kernelgraft op left; run here by
+    the interpreter from the same generated source, they give the Python launcher's bits: loss
+    and every gradient, for an incoming gradient that is not a power of two."""
+    from kernelgraft.kernels.lm_head.kernel import _kernel
+
+    sp = REGISTRY.get("lm_head_ce", spelling)
+    op = lm_head_op_for(sp, "autograd", deferred=True)
+    bwd = getattr(torch.ops.kernelgraft, f"{op.name}_bwd").default
+    gen = torch.Generator().manual_seed(4)
+    T, H, V = 48, 32, 80
+    named = {
+        "h": torch.randn(T, H, generator=gen).to(dtype),
+        "weight": (torch.randn(V, H, generator=gen) * 0.2).to(dtype),
+        "bias": (torch.randn(V, generator=gen) * 0.1).to(dtype),
+        "target": torch.randint(0, V, (T,), generator=gen),
+        "ignore_index": -100.0,
+    }
+    named["target"][:5] = -100
+    g = torch.tensor(0.3, dtype=dtype)
+    needs = (True, True, "bias" in sp.arg_names)
+    how = (16, accumulate, 0.0)  # 16 tokens a chunk: three chunks
+    tensor_names = [a for a in sp.arg_names if a not in sp.scalar_names]
+
+    def call_args(tensors):
+        it = iter(tensors)
+        return [next(it) if a in tensor_names else named[a] for a in sp.arg_names]
+
+    def step(*tensors):
+        args = call_args(tensors[:-1])
+        loss, ticket = op.fwd(*args, *needs, *how)
+        return [loss, *bwd(tensors[-1], ticket, *args, *needs, *how)]
+
+    inputs = [named[a] for a in tensor_names] + [g]
+    gm = _graph(step, inputs)
+    assert launch_in_graph(gm.graph) == {"inductor": 2}
+    gm.recompile()
+    assert _ops_left(gm) == []
+    ks = _kernel(sp, dtype, "autograd", "cpu")[0]
+    by_name = {k.fn.__name__: k for k in (ks.ce, ks.scale, ks.loss)}
+
+    def launch(name, grid, kwargs):  # the interpreter's instance of the same generated source
+        by_name[name][grid](**kwargs)
+        return name.removeprefix(ks.ce.fn.__name__) or "ce"
+
+    got, launches = _run_launches_on_cpu(gm, inputs, launch)
+    # the forward's and the backward's: the divisor and scale, three chunks, the loss
+    assert launches == 2 * ["_scale", "ce", "ce", "ce", "_loss"], launches
+    loss, ticket = op.fwd(*call_args(inputs[:-1]), *needs, *how)
+    want = [loss, *bwd(g, ticket, *call_args(inputs[:-1]), *needs, *how)]
+    names = ["loss", "h", "weight", "bias"]
+    for what, a, b in zip(names, got, want):
+        assert a.shape == b.shape and torch.equal(a, b), what
+
+
+def test_a_biased_deferred_lm_head_stays_a_host_launch_and_says_why():
+    sp = REGISTRY.get("lm_head_ce", "bias_hf_mean")
+    op = lm_head_op_for(sp, "autograd", deferred=True)
+    bwd = getattr(torch.ops.kernelgraft, f"{op.name}_bwd").default
+    h, w, b = torch.randn(32, 16), torch.randn(40, 16), torch.randn(40)
+    t, g = torch.randint(0, 40, (32,)), torch.tensor(0.5)
+
+    def step(h, w, b, t, g):
+        loss, ticket = op.fwd(h, w, b, t, -100.0, True, True, True, 0, "auto", 0.0)
+        return [loss, *bwd(g, ticket, h, w, b, t, -100.0, True, True, True, 0, "auto", 0.0)]
+
+    gm = _graph(step, [h, w, b, t, g])
+    counts = launch_in_graph(gm.graph)
+    # the forward (the loss alone) is traced; the backward, which sums the bias gradient, is not
+    assert counts["inductor"] == 1, counts
+    (why,) = [k for k in counts if k.startswith("host")]
+    assert "biased head" in why and counts[why] == 1, counts

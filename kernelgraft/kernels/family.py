@@ -130,8 +130,14 @@ def define(name: str, impl, fake, schema: str, traceable: bool = False):
     op.register_fake(fake)
     overload = getattr(torch.ops.kernelgraft, name).default
     if traceable:
-        _TRACEABLE[overload] = impl
+        mark_traceable(overload, impl)
     return op, overload
+
+
+def mark_traceable(overload, impl) -> None:
+    """`impl`, the implementation of op overload `overload`, runs under
+    launching.traced_launches() on fake tensors, its launches recorded (the lowering pass's)."""
+    _TRACEABLE[overload] = impl
 
 
 def save_inputs(ctx, inputs, tensor_idx: list, *extra: torch.Tensor) -> None:

@@ -38,15 +38,22 @@ _TRACING: list[bool] = []
 # generated module (each of its kernels is named "<module name>_<entry>"): registered when the module
 # is built, which a capture does before inductor compiles the graph or loads it from its cache
 KERNEL_PREFIXES: set[str] = set()
+# the names of single generated kernels (the LM head's: one kernel, named as its module)
+KERNEL_NAMES: set[str] = set()
 
 
-def register_kernels(module_name: str) -> None:
-    KERNEL_PREFIXES.add(f"{module_name}_")
+def register_kernels(module_name: str, single: bool = False) -> None:
+    """Register a generated module's kernels: each named "<module name>_<entry>", or with
+    `single`, the one kernel named as the module."""
+    if single:
+        KERNEL_NAMES.add(module_name)
+    else:
+        KERNEL_PREFIXES.add(f"{module_name}_")
 
 
 def is_kernelgraft_kernel(name: str | None) -> bool:
     """Whether a Triton kernel of this name is one of kernelgraft's generated kernels."""
-    return bool(name) and any(name.startswith(p) for p in KERNEL_PREFIXES)
+    return bool(name) and (name in KERNEL_NAMES or any(name.startswith(p) for p in KERNEL_PREFIXES))
 
 
 @contextlib.contextmanager

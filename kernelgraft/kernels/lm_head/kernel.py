@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -42,11 +43,12 @@ from .. import emit
 from ..cache import load_module
 from ..fallback import record_failure, warn_once
 from ..family import Unsupported
-from ..launching import launch_options, pow2
+from ..launching import NotTraceable, launch_options, launcher, pow2, register_kernels, tracing
 from ..spec import SERVED
 from .transform import Transform, transform
 
 CHUNK_BYTES = 256 * 2**20  # default budget for one chunk of logits
+SUM_BLOCK = 1024  # the labels counted, the rows' losses summed: this many at a time, in one program
 
 
 # ---- the Triton kernel: per row, online logsumexp over vocab blocks, then the gradient -----------
@@ -104,6 +106,38 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
             g = (tl.exp(({name}_y(v_x, {sc}) - m) - ls) - tl.where(c == t, 1.0, 0.0)) * k
 {bwd}
             tl.store(z_ptr + row * z_s0 + c, {tf.bwd}, mask=msk)
+
+
+@triton.jit
+def {name}_scale(t_ptr, T, ignore_index, g_ptr, n_ptr, scale_ptr, denom_ptr, HAS_G: tl.constexpr, HAS_N: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: the mean's divisor (the labels counted, or the caller's count n) and the
+    # gradient of every counted row's loss, g / divisor, correctly rounded (as torch divides)
+    if HAS_N:
+        d = tl.load(n_ptr).to(tl.float32)
+    else:
+        offs = tl.arange(0, BLOCK)
+        count = tl.full([BLOCK], 0, tl.int64)
+        for s0 in range(0, T, BLOCK):
+            msk = s0 + offs < T
+            lab = tl.load(t_ptr + s0 + offs, mask=msk, other=0).to(tl.int64)
+            count += tl.where(msk & (lab != ignore_index), 1, 0)
+        d = tl.reduce(count, 0, tl.standard._sum_combine).to(tl.float32)
+    if HAS_G:
+        g = tl.load(g_ptr).to(tl.float32)
+    else:
+        g = tl.full([], 1.0, tl.float32)
+    tl.store(denom_ptr, d)
+    tl.store(scale_ptr, tl.math.div_rn(g, d))
+
+
+@triton.jit
+def {name}_loss(loss_ptr, T, denom_ptr, out_ptr, BLOCK: tl.constexpr):
+    # one program: the rows' losses summed in one fixed order, over the divisor (correctly rounded)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for s0 in range(0, T, BLOCK):
+        acc += tl.load(loss_ptr + s0 + offs, mask=s0 + offs < T, other=0.0)
+    tl.store(out_ptr, tl.math.div_rn(tl.reduce(acc, 0, tl.standard._sum_combine), tl.load(denom_ptr)))
 """
     )
 
@@ -127,7 +161,19 @@ def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str, round
     name = kernel_name(spelling, dtype, rounding)
     src = kernel_source(name, tf, spelling.qualname)
     mod, _ = load_module(name, src, interpret=device_type == "cpu")
-    return getattr(mod, name), tf
+    register_kernels(name, single=True)
+    register_kernels(name)  # its helpers: <name>_scale, <name>_loss
+    return Kernels(getattr(mod, name), getattr(mod, f"{name}_scale"), getattr(mod, f"{name}_loss")), tf
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One LM head's generated kernels: the rows' loss and gradient (ce), the mean's divisor and the
+    gradient's scale (scale), the loss from the rows' (loss)."""
+
+    ce: object
+    scale: object
+    loss: object
 
 
 # ---- chunking ------------------------------------------------------------------------------------
@@ -296,7 +342,12 @@ def forward(
 ):
     """-> (loss, dh, dW, db): the gradients for a loss gradient of `grad_scale` (a number, or a
     tensor of one value on the device), empty where not needed (db: where there is no bias or
-    needs_b is False). chunk, accumulate, memory: see plan()."""
+    needs_b is False). chunk, accumulate, memory: see plan().
+
+    Traced for inductor (launching.traced_launches), the same launches and matmuls are recorded
+    without out= or in-place ops, which a compiled graph does not take: h's gradient is the chunks'
+    products joined, the weight gradient each chunk's addmm on the last (the first chunk's a plain
+    product, as addmm with beta 0 computes it), narrowed from float32 by a cast."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     for name, t in (("h", h), ("weight", W)):
@@ -305,11 +356,14 @@ def forward(
     if h.dtype != W.dtype:
         raise Unsupported(f"h is {h.dtype} and the weight {W.dtype}; the linear needs one dtype")
     dev = h.device
+    traced = tracing()
     try:
         fn, tf = _kernel(spelling, W.dtype, rounding, dev.type)
     except Unsupported:
         raise
     except Exception as e:  # noqa: BLE001 - generated source that does not load: the caller falls back
+        if traced:
+            raise
         _failed(spelling, W.dtype, rounding, dev, e)
         raise KernelFailed from e
     H, V = W.shape[1], W.shape[0]
@@ -318,35 +372,60 @@ def forward(
     T = h2.shape[0]
     if t.numel() != T:
         raise ValueError(f"{spelling.qualname}: {t.numel()} labels for {T} hidden rows")
+    if traced and T == 0:
+        raise NotTraceable("no tokens: nothing to launch")
     needs_b = needs_b and bias is not None
+    if traced and needs_b:
+        raise NotTraceable(
+            "a biased head: its bias gradient sums the logits' gradient over rows, which inductor "
+            "would sum in an order of its own (the launch from the host keeps torch's)"
+        )
     grad = needs_h or needs_w or needs_b
     losses = torch.empty(T, dtype=torch.float32, device=dev)
-    # mean: over the labels counted; HF's sum / num_items_in_batch: over what the caller counted
-    denom = (t != int(ignore_index)).sum().to(torch.float32) if divisor is None else divisor
-    if isinstance(grad_scale, torch.Tensor):  # the loss gradient, read on the device (no host sync)
-        grad_scale = grad_scale.to(torch.float32)
-    scale = (grad_scale / denom.to(torch.float32)).reshape(1) if grad else losses.new_empty(1)
-    dh = torch.empty_like(h2) if needs_h else h.new_empty(0)
+    # the mean's divisor: the labels counted, or HF's num_items_in_batch (sum / n); and the counted
+    # rows' gradient, the loss gradient (a number, or a tensor on the device: no host sync) over it
+    denom = torch.empty(1, dtype=torch.float32, device=dev)
+    scale = torch.empty(1, dtype=torch.float32, device=dev)
+    g_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
+    if g_t is None and grad_scale != 1.0:
+        g_t = torch.full((1,), float(grad_scale), dtype=torch.float32, device=dev)
+    n_t = divisor.reshape(1) if isinstance(divisor, torch.Tensor) else None
+    if divisor is not None and n_t is None:
+        n_t = torch.full((1,), float(divisor), dtype=torch.float32, device=dev)
+    launcher(fn.scale)[(1,)](
+        t,
+        T,
+        int(ignore_index),
+        scale if g_t is None else g_t.reshape(1),
+        denom if n_t is None else n_t,
+        scale,
+        denom,
+        HAS_G=g_t is not None,
+        HAS_N=n_t is not None,
+        BLOCK=SUM_BLOCK,
+    )
+    dh = torch.empty_like(h2) if needs_h and not traced else h.new_empty(0)
+    dh_parts = []
     C, accumulate = plan(T, H, V, W.element_size(), chunk, accumulate, memory)
     acc32 = accumulate == "fp32" and W.dtype != torch.float32
     dW = (
         torch.empty(W.shape, dtype=torch.float32 if acc32 else W.dtype, device=dev)
-        if needs_w
+        if needs_w and not traced
         else W.new_empty(0)
     )
     db = torch.zeros(V, dtype=torch.float32, device=dev) if needs_b else W.new_empty(0)
     BV, warps = _ce_config(V, dev)
     opts = launch_options(rounding, [W.dtype], dev.type)
     for c0, c1 in chunk_bounds(T, C):
-        hc = h2[c0:c1]
+        hc = h2.narrow(0, c0, c1 - c0)  # narrow, not [c0:c1]: Python indexing needs the device itself
         # as F.linear computes the logits (W's dtype, one rounding; a bias added by addmm's epilogue)
         z = hc @ W.t() if bias is None else torch.addmm(bias, hc, W.t())
         try:
-            fn[(hc.shape[0],)](
+            launcher(fn.ce)[(hc.shape[0],)](
                 z,
                 z.stride(0),
-                t[c0:c1],
-                losses[c0:c1],
+                t.narrow(0, c0, c1 - c0),
+                losses.narrow(0, c0, c1 - c0),
                 scale,
                 *scalars,
                 V,
@@ -357,28 +436,44 @@ def forward(
                 **opts,
             )
         except Exception as e:  # noqa: BLE001 - a Triton compile or launch failure: the caller falls back
+            if traced:
+                raise
             _failed(spelling, W.dtype, rounding, dev, e)
             raise KernelFailed from e
         if needs_b:
-            db += z.sum(0, dtype=torch.float32)
+            rows = z.sum(0, dtype=torch.float32)
+            db = db + rows if traced else db.add_(rows)
         if needs_h:
-            torch.mm(z, W, out=dh[c0:c1])
-        if needs_w:
-            beta = 0.0 if c0 == 0 else 1.0  # the first chunk writes dW without reading it
-            if acc32 and dev.type == "cuda":
-                torch.addmm(dW, z.t(), hc, beta=beta, out_dtype=torch.float32, out=dW)
-            elif acc32:
-                torch.addmm(dW, z.t().float(), hc.float(), beta=beta, out=dW)
+            if traced:
+                dh_parts.append(z @ W)
             else:
-                torch.addmm(dW, z.t(), hc, beta=beta, out=dW)
+                torch.mm(z, W, out=dh.narrow(0, c0, c1 - c0))
+        if needs_w:
+            dW = _weight_grad(dW, z, hc, c0 == 0, acc32 and dev.type == "cuda", acc32, traced)
         del z
-    loss = losses.sum() / denom
+    loss = torch.empty(1, dtype=torch.float32, device=dev)
+    launcher(fn.loss)[(1,)](losses, T, denom, loss, BLOCK=SUM_BLOCK)
+    loss = loss.view(())
+    if needs_h and traced:
+        dh = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts)
     if needs_w and T == 0:
         dW.zero_()
     if needs_w and acc32:
-        dW = narrow_in_place(dW, W.dtype)
+        dW = dW.to(W.dtype) if traced else narrow_in_place(dW, W.dtype)
     db = db.to(bias.dtype) if needs_b else db
     return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW, db
+
+
+def _weight_grad(dW, z, hc, first: bool, out_fp32: bool, upcast: bool, traced: bool):
+    """dW after one chunk's term z^T hc: summed in float32 (cuBLAS's float32 output: out_fp32; the
+    CPU's product of float32 copies: upcast) or in W's dtype. The first chunk writes dW without
+    reading it (addmm's beta 0). Traced: a new tensor each chunk (mm for the first: the product
+    addmm with beta 0 makes), else in dW's storage."""
+    a, b = (z.t().float(), hc.float()) if upcast and not out_fp32 else (z.t(), hc)
+    kw = {"out_dtype": torch.float32} if out_fp32 else {}
+    if traced:
+        return torch.mm(a, b, **kw) if first else torch.addmm(dW, a, b, **kw)
+    return torch.addmm(dW, a, b, beta=0.0 if first else 1.0, out=dW, **kw)
 
 
 class KernelFailed(Exception):

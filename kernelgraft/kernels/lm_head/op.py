@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from ..fallback import generation_failed, has_failed, spelling_vjp
-from ..family import Unsupported, cached_op, op_name, save_inputs, saved_inputs, schema_args
+from ..family import (
+    Unsupported,
+    cached_op,
+    mark_traceable,
+    op_name,
+    save_inputs,
+    saved_inputs,
+    schema_args,
+)
+from ..launching import NotTraceable, tracing
 from ..spec import SERVED
 from .kernel import KernelFailed, _kernel, forward, kernel_name
 from .transform import transform, transform_graph
@@ -145,6 +154,8 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         named, needs, how = unpack(args)
         W = named["weight"]
         if has_failed(kernel_name(sp, W.dtype, rounding), W.device.type):
+            if tracing():
+                raise NotTraceable(f"{kernel_name(sp, W.dtype, rounding)} failed in this process")
             return reference(sp, named, needs, grad_scale)
         try:
             return fused(named, needs, how, grad_scale)
@@ -252,6 +263,9 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
         return tuple(grads)
 
     op.register_autograd(backward, setup_context=setup_context)
+    if deferred:  # nothing read on the host, nothing kept outside the graph: inductor launches it
+        mark_traceable(getattr(torch.ops.kernelgraft, name).default, impl)
+        mark_traceable(bwd_op, bwd_impl)
     return LMHeadOp(sp, name, getattr(torch.ops.kernelgraft, name).default)
 
 

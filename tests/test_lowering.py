@@ -583,3 +583,22 @@ def test_a_biased_deferred_lm_head_stays_a_host_launch_and_says_why():
     assert counts["inductor"] == 1, counts
     (why,) = [k for k in counts if k.startswith("host")]
     assert "biased head" in why and counts[why] == 1, counts
+
+
+def test_the_post_grad_pass_keys_inductors_caches_by_the_graphs_recompute_tags():
+    """AOT autograd partitions a graph by its recompute tags but keys its cache without them: the
+    same graph tagged otherwise (another option, another release's policy) loaded the other's
+    partition. kernelgraft's pass, which inductor's key includes, keys by them."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from kernelgraft.rewriter.lowering import PostGradPass, recompute_tags
+
+    gm = fx.symbolic_trace(lambda x, w: torch.cat([w, w]) @ x)
+    assert recompute_tags(gm) == ()
+    cat = next(n for n in gm.graph.nodes if n.target is torch.cat)
+    keys = []
+    for policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE):
+        cat.meta.update(recompute=policy, ac_graph_id=1)
+        keys.append(PostGradPass(tags=recompute_tags(gm)).uuid())
+    assert keys[0] == keys[2] != keys[1]
+    assert PostGradPass().uuid() not in keys

@@ -1,6 +1,6 @@
 """Linear layers that read one input run as one matmul (rewriter/projections.py): q/k/v and gate/up of
-every layer fused in training graphs under inductor, loss and every gradient by the rule, the stacked
-weights made again in the backward (nothing more saved), left alone where it does not pay."""
+every layer fused in training graphs under inductor, loss and every gradient by the rule, large
+stacked weights made again in the backward, small ones saved, left alone where it does not pay."""
 
 import copy
 
@@ -90,10 +90,12 @@ def _saved(model, b) -> dict:
     return seen
 
 
-def test_the_stacked_weights_are_made_again_in_the_backward_not_saved():
-    """Nothing of the weights' size is saved; what the fused graph saves beyond the unfused one is
-    exactly the q and k columns of each layer's fused output, kept alive by v (attention saves v, a
-    view of that output)."""
+@pytest.mark.parametrize("save_bytes", [0, projections.SAVE_BYTES])
+def test_large_stacked_weights_are_made_again_in_the_backward_small_ones_saved(monkeypatch, save_bytes):
+    """What the fused graph saves beyond the unfused one: the q and k columns of each layer's
+    fused output, kept alive by v (attention saves v, a view of that output); and each stacked
+    weight of at most SAVE_BYTES (the tiny model's all are; with a bound of 0 none is)."""
+    monkeypatch.setattr(projections, "SAVE_BYTES", save_bytes)
     stock = tiny_model("llama")
     b = batch()
     fused = kernelgraft.optimize(copy.deepcopy(stock))
@@ -103,13 +105,17 @@ def test_the_stacked_weights_are_made_again_in_the_backward_not_saved():
         m.zero_grad(set_to_none=True)
     got, ref = _saved(fused, b), _saved(apart, b)
     assert _fused_groups(fused)
-    attn = stock.model.layers[0].self_attn
+    attn, mlp = stock.model.layers[0].self_attn, stock.model.layers[0].mlp
     n_q, n_k = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-    stacked = (n_q + 2 * n_k) * attn.q_proj.weight.shape[1] * 4  # a stacked q/k/v weight, float32
-    assert stacked not in got.values()
+    width = attn.q_proj.weight.shape[1]
+    qkv = (n_q + 2 * n_k) * width * 4  # a stacked q/k/v weight, float32
+    gate_up = 2 * mlp.gate_proj.weight.numel() * 4
+    assert 0 < gate_up <= projections.SAVE_BYTES or save_bytes == 0
     rows = b["input_ids"].numel()
     layers = stock.config.num_hidden_layers
-    assert sum(got.values()) - sum(ref.values()) == layers * rows * (n_q + n_k) * 4
+    stacked = layers * (qkv + gate_up) if save_bytes else 0
+    assert (qkv in got.values()) == bool(save_bytes)
+    assert sum(got.values()) - sum(ref.values()) == layers * rows * (n_q + n_k) * 4 + stacked
 
 
 def _meta(*shape, dtype=torch.bfloat16):

@@ -139,7 +139,8 @@ class Grafter:
         o = self.options
         # torch.compile(mode=...)'s inductor settings (CUDA graphs for "reduce-overhead")
         patches = dict(list_mode_options(o.mode)) if o.mode not in (None, "default") else {}
-        if o.fuse_recompute or launch or because:
+        tags = lowering.recompute_tags(gm)
+        if o.fuse_recompute or launch or because or tags:
             key = "post_grad_custom_post_pass"
             patches[key] = lowering.PostGradPass(
                 chained=getattr(inductor_config, key),
@@ -147,6 +148,7 @@ class Grafter:
                 launch=launch,
                 launches=self.report.launched_by,
                 host_because=because,
+                tags=tags,
             )
         extra = {}
         if launch:  # each launch's kernel analysed once per specialization

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import operator
 from collections import Counter
 
@@ -365,9 +366,19 @@ class PostGradPass(CustomGraphPass):
     launch_in_graph did; a graph inductor loads from its cache runs no pass and counts nothing."""
 
     def __init__(
-        self, chained=None, fuse_recompute: bool = True, launch: bool = True, launches=None, host_because=None
+        self,
+        chained=None,
+        fuse_recompute: bool = True,
+        launch: bool = True,
+        launches=None,
+        host_because=None,
+        tags: tuple = (),
     ):
         self.chained = chained
+        # the graph's recompute tags (recompute_tags): AOT autograd's partition follows them, but its
+        # cache does not key by them, so the pass's key does (a graph tagged otherwise, by another
+        # option or release, is partitioned anew, not loaded as the other was cut)
+        self.tags = tags
         self.fuse_recompute = fuse_recompute
         self.launch = launch
         self.launches: Counter = launches if launches is not None else Counter()
@@ -393,7 +404,10 @@ class PostGradPass(CustomGraphPass):
             theirs = self.chained.uuid() if hasattr(self.chained, "uuid") else None
             if theirs is None:
                 return None  # a pass inductor cannot key: no caching, as without us
-        from ..kernels.rows import launch, layout, ops, tuning  # import here: only to hash their files
+        # import here: only to hash their files
+        from ..kernels.lm_head import kernel as lm_kernel
+        from ..kernels.lm_head import op as lm_op
+        from ..kernels.rows import launch, layout, ops, tuning
 
         files = (
             __file__,
@@ -402,11 +416,21 @@ class PostGradPass(CustomGraphPass):
             launch.__file__,
             layout.__file__,
             tuning.__file__,
+            lm_kernel.__file__,
+            lm_op.__file__,
         )
         return (
             get_hash_for_files(files + (str(tuning.TABLE_PATH),)),
             ops.ABI,
             self.fuse_recompute,
             self.launch,
+            hashlib.sha256(repr(self.tags).encode()).hexdigest(),
             theirs,
         )
+
+
+def recompute_tags(gm: torch.fx.GraphModule) -> tuple:
+    """The recompute tags on `gm`'s nodes (kernelgraft's and the user's checkpointing), in order."""
+    return tuple(
+        (n.name, str(n.meta["recompute"]), n.meta.get("ac_graph_id")) for n in gm.graph.nodes if "recompute" in n.meta
+    )

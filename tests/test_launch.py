@@ -1,6 +1,7 @@
 """How tensors reach the kernels: read in place through per-tensor strides (HF's transposed q and
 cos/sin broadcast over heads are never copied), and two sites in one launch (q and k of a layer)."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -311,7 +312,9 @@ def broken_kernels(monkeypatch):
 
     monkeypatch.setattr(build.RowKernel, "fn", lambda self, which, device: Broken())
     real = lm_kernel._kernel
-    monkeypatch.setattr(lm_kernel, "_kernel", lambda *a: (Broken(), real(*a)[1]))
+    monkeypatch.setattr(
+        lm_kernel, "_kernel", lambda *a: (dataclasses.replace(real(*a)[0], ce=Broken()), real(*a)[1])
+    )
     monkeypatch.setattr(fallback, "FAILED", {})
     monkeypatch.setattr(fallback, "_FAILED_SITES", {})
     return fallback

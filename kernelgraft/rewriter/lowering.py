@@ -404,10 +404,9 @@ class PostGradPass(CustomGraphPass):
             theirs = self.chained.uuid() if hasattr(self.chained, "uuid") else None
             if theirs is None:
                 return None  # a pass inductor cannot key: no caching, as without us
-        # import here: only to hash their files
-        from ..kernels.lm_head import kernel as lm_kernel
-        from ..kernels.lm_head import op as lm_op
-        from ..kernels.rows import launch, layout, ops, tuning
+        from ..kernels.lm_head import kernel as lm_kernel  # import here: only to hash their files
+        from ..kernels.lm_head import op as lm_op  # import here: as above
+        from ..kernels.rows import launch, layout, ops, tuning  # import here: as above
 
         files = (
             __file__,

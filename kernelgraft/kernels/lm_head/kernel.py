@@ -451,9 +451,8 @@ def forward(
         if needs_w:
             dW = _weight_grad(dW, z, hc, c0 == 0, acc32 and dev.type == "cuda", acc32, traced)
         del z
-    loss = torch.empty(1, dtype=torch.float32, device=dev)
+    loss = torch.empty((), dtype=torch.float32, device=dev)  # not a view: callers scale it in place
     launcher(fn.loss)[(1,)](losses, T, denom, loss, BLOCK=SUM_BLOCK)
-    loss = loss.view(())
     if needs_h and traced:
         dh = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts)
     if needs_w and T == 0:

@@ -602,3 +602,62 @@ def test_the_post_grad_pass_keys_inductors_caches_by_the_graphs_recompute_tags()
         keys.append(PostGradPass(tags=recompute_tags(gm)).uuid())
     assert keys[0] == keys[2] != keys[1]
     assert PostGradPass().uuid() not in keys
+
+
+@pytest.mark.parametrize("name, dtype", [("rms_norm.llama", torch.bfloat16), ("layer_norm.affine", torch.float32)])
+def test_a_norms_input_gradient_added_to_another_is_stored_summed(name, dtype):
+    """The backward of a recomputed norm whose input gradient is added to another gradient (the
+    residual stream's): recompute.accumulate_into_gradients puts the accumulating call in place of
+    the add, which inductor then launches; run here, the bits of the call and the add apart."""
+    from kernelgraft.kernels.rows import launch as row_launch
+    from kernelgraft.rewriter.recompute import accumulate_into_gradients
+
+    sp, args = _inputs(name, dtype)
+    op = op_for(sp, ROUNDING, recompute=True)
+    n_t = len(sp.tensor_names)
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(args[0].shape, generator=gen).to(dtype)
+    r = torch.randn(args[0].shape, generator=gen).to(dtype)
+    needs = [True] * n_t
+    scalars = [a for a in args if not isinstance(a, torch.Tensor)]
+
+    def step(*tensors):
+        full = list(tensors[:n_t]) + scalars
+        dx, *rest = op.bwd_out(tensors[n_t], *full, needs)
+        return [tensors[n_t + 1] + dx, *rest]
+
+    inputs = [*args[:n_t], g, r]
+    gm = _graph(step, inputs)
+    assert accumulate_into_gradients(gm.graph) == 1
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert launch_in_graph(gm.graph) == {"inductor": 1}
+    gm.recompile()
+    got, launches = _run_on_cpu(gm, sp, args, inputs)
+    assert launches[0] == "bwdoa"
+    want = row_launch.backward_with_out(sp, g, tuple(args), needs, ROUNDING)
+    want[0] = r + want[0]
+    for what, a, b in zip(["x", *sp.tensor_names[1:], "out"], got, want):
+        if what in sp.tensor_names[1:]:  # per-column: summed over another program count here
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b), what
+
+
+def test_an_input_gradient_read_twice_or_added_to_a_later_one_is_left_apart():
+    from kernelgraft.rewriter.recompute import accumulate_into_gradients
+
+    sp, args = _inputs("rms_norm.llama", torch.float32)
+    op = op_for(sp, ROUNDING, recompute=True)
+    g = torch.randn(args[0].shape)
+
+    def twice(x, w, g):
+        dx, dw, y = op.bwd_out(g, x, w, args[2], [True, True])
+        return [dx + g, dx * 2, dw, y]
+
+    def later(x, w, g):
+        dx, dw, y = op.bwd_out(g, x, w, args[2], [True, True])
+        return [dx + g.exp(), dw, y]  # g.exp() is made after the call
+
+    for fn in (twice, later):
+        gm = _graph(fn, [args[0], args[1], g])
+        assert accumulate_into_gradients(gm.graph) == 0, fn.__name__

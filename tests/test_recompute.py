@@ -352,3 +352,46 @@ def test_the_pass_fuses_a_site_only_where_it_keeps_the_graph(case, fused):
     after = _run(g, inputs)
     for a, b in zip(after, before):
         assert torch.equal(a, b)  # on the CPU the fused pass is bitwise the pair it replaces
+
+
+def test_norm_input_gradients_joined_to_the_residual_stream_give_the_same_bits(monkeypatch):
+    """Under inductor a layer's norms add their input gradients to the residual stream's as they
+    store them (recompute.accumulate_into_gradients: 2 per layer in a tiny Llama). A step with the
+    pass and one without, in bf16: the same loss and the same bits in every gradient but the
+    embedding's. The first layer's input norm's sum feeds the embedding's backward, into which
+    inductor fuses the add without rounding it to bf16; the pass rounds it, as eager does. That
+    gradient is judged by the rule (beside float64 truth and eager), as every other."""
+    from kernelgraft.rewriter import recompute
+
+    stock = tiny_model("llama", torch.bfloat16, layers=2)
+    b = batch(B=2, S=16)
+    real = recompute.accumulate_into_gradients
+    counts, got = [], {}
+    for on in (True, False):
+        monkeypatch.setattr(
+            recompute, "accumulate_into_gradients", (lambda g: counts.append(real(g)) or counts[-1]) if on else (lambda g: 0)
+        )
+        torch._dynamo.reset()
+        mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
+        with (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+        ):
+            loss = mine(**b).loss
+            loss.backward()
+        got[on] = (loss.detach(), {n: p.grad.clone() for n, p in mine.named_parameters()})
+    assert counts == [0, 2 * stock.config.num_hidden_layers], counts  # the forward graph, the backward
+    assert torch.equal(got[True][0], got[False][0])
+    differ = [n for n in got[True][1] if not torch.equal(got[True][1][n], got[False][1][n])]
+    assert set(differ) <= {"model.embed_tokens.weight"}, differ
+    monkeypatch.setattr(recompute, "accumulate_into_gradients", real)
+    torch._dynamo.reset()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        verdicts = compare_models(mine, stock, [b, batch(seed=2, B=2, S=16)], compiled=False)
+    # the one quantity the pass changes (the loss and the rest are its bits without it, above)
+    (embedding,) = [v for v in verdicts if "embed_tokens" in str(v)]
+    assert embedding.ok, str(embedding)

@@ -389,6 +389,7 @@ class PostGradPass(CustomGraphPass):
             self.chained(graph)
         if self.fuse_recompute:
             recompute.fuse_recomputed_outputs(graph)
+            recompute.accumulate_into_gradients(graph)
         if self.launch:
             self.launches.update(launch_in_graph(graph))
         elif self.host_because:

@@ -186,12 +186,21 @@ def forward_source(spec: Spec) -> str:
 # ---- backward ------------------------------------------------------------------------------------
 
 
-def _bwd_group_args(spec: Spec, with_out: bool = False) -> list[str]:
+def _bwd_group_args(spec: Spec, with_out: bool = False, acc: bool = False) -> list[str]:
     """with_out: the variant that makes the row statistics itself and stores the forward's output
-    (for an output recomputed in the backward) instead of reading the statistics."""
+    (for an output recomputed in the backward) instead of reading the statistics. acc: the variant
+    that adds a tensor `a` to the first argument's gradient as it stores it (accumulates)."""
     a = _strided("g") + [x for t in _elems(spec) for x in _strided(t)] + ([] if with_out else ["stats_ptr"])
     a += [x for t in _elems(spec) for x in _strided(f"d_{t}")]
+    a += _strided("a") if acc else []
     return a + (_strided("out") if with_out else []) + ["M", "D1", "D2"]
+
+
+def accumulates(spec: Spec) -> bool:
+    """Whether the spelling's kernels have the accumulating backward (`_bwdoa`): a norm (row
+    statistics) whose first argument varies per element. A decoder adds a norm's input gradient to
+    the residual stream's; the add then happens as the gradient is stored (rewriter/recompute.py)."""
+    return bool(spec.reductions) and spec.kinds[spec.tensors[0]] == "elem"
 
 
 def _reduction_lines(spec: Spec, indent: str, wide: bool, stats_store: bool) -> list[str]:
@@ -261,18 +270,22 @@ def _loaded(spec: Spec, needed: set, cv: list[str]) -> list[str]:
     return names + cv + list(spec.scalars) + ["Nf"]
 
 
-def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -> list[str]:
+def _which(with_out: bool, acc: bool) -> str:
+    return ("bwdo" if with_out else "bwd") + ("a" if acc else "")
+
+
+def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False, acc: bool = False) -> list[str]:
     K = max(len(spec.reductions), 1)
     cv = _col_vars(spec, needed)
     needs = [f"NEED_{t}: tl.constexpr" for t in spec.tensors]
     sig = ", ".join(
-        _bwd_group_args(spec, with_out)
+        _bwd_group_args(spec, with_out, acc)
         + cv
         + list(spec.scalars)
         + ["rb", "N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
         + needs
     )
-    L = ["@triton.jit", f"def {spec.name}_{'bwdo' if with_out else 'bwd'}_rows({sig}):"]
+    L = ["@triton.jit", f"def {spec.name}_{_which(with_out, acc)}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
     L += _rotation(IND, needed, spec.rotation)
     L += _row_index(IND)
@@ -310,12 +323,17 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     lines, exprs = emit.cse_lines(grads, "u", IND)
     L += lines
     partials = []
-    for t, e in zip(spec.tensors, exprs):
+    for i, (t, e) in enumerate(zip(spec.tensors, exprs)):
         if spec.kinds[t] == "elem":
             L.append(f"{IND}if NEED_{t}:")
-            L.append(
-                f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {_stored(e, wide)}, mask=mask)"
-            )
+            stored = _stored(e, wide)
+            if acc and i == 0:  # the gradient as stored, plus `a`, rounded again: eager's add after it
+                L.append(f"{IND2}dxr_ = {stored}")
+                L.append(f"{IND2}a_in_ = tl.load(a_ptr + {_offset('a')} + cols * a_sc, mask=mask, other=0.0).to(tl.float32)")
+                total = round_to(sympy.Symbol("dxr_") + sympy.Symbol("a_in_"), LOW.get(spec.dtypes[t], "float32"))
+                lines, (stored,) = emit.cse_lines([total], "ua", IND2)
+                L += lines
+            L.append(f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {stored}, mask=mask)")
         else:  # this block's column sums; the entry kernel accumulates them over its blocks
             L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)")
             L.append(f"{IND}if NEED_{t}:")
@@ -328,14 +346,14 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False) -
     return L
 
 
-def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False) -> list[str]:
+def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False, acc: bool = False) -> list[str]:
     cols = _cols(spec)
     shared = [a for t in cols for a in (f"{t}_ptr", f"{t}_sc")] + list(spec.scalars)
     shared += [a for t in cols for a in (f"d_{t}_ptr", f"d_{t}_s0")]
-    groups = [a for g in range(G) for a in _suffixed(_bwd_group_args(spec, with_out), g)]
+    groups = [a for g in range(G) for a in _suffixed(_bwd_group_args(spec, with_out, acc), g)]
     needs = [f"NEED_{t}: tl.constexpr" for t in spec.tensors]
     sig = ", ".join(shared + groups + ["N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"] + needs)
-    which = "bwdo" if with_out else "bwd"
+    which = _which(with_out, acc)
     name = f"{spec.name}_{which}" if G == 1 else f"{spec.name}_{which}{G}"
     L = ["@triton.jit", f"def {name}({sig}):"]
     L += _entry_head(spec, needed)
@@ -345,7 +363,7 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False) -> list[
     flags = [f"NEED_{t}" for t in spec.tensors]
     for g in range(G):
         call = ", ".join(
-            _suffixed(_bwd_group_args(spec, with_out), g)
+            _suffixed(_bwd_group_args(spec, with_out, acc), g)
             + tail
             + ["rb", "N", "Nf", "BLOCK_M", "BLOCK_N"]
             + flags
@@ -388,7 +406,8 @@ def _colsum(spec: Spec, t: str) -> list[str]:
 def backward_source(spec: Spec, bwd: Backward) -> str:
     """The backward entries (`_bwd`, `_bwd2`), and those that also make the forward's output
     (`_bwdo`, `_bwdo2`): where the output is recomputed for the backward, one pass over the rows
-    serves both (the rewriter's recompute pass); then per per-column argument, the sum of the
+    serves both (the rewriter's recompute pass); for a norm, `_bwdoa`, which also adds a tensor to
+    the first argument's gradient (accumulates); then per per-column argument, the sum of the
     programs' partial rows (`_colsum_<argument>`)."""
     need = emit.needed(*bwd.grads.values(), *(e for _, e in bwd.adjoints))
     L = _bwd_block(spec, bwd, need)
@@ -398,6 +417,9 @@ def backward_source(spec: Spec, bwd: Backward) -> str:
     L += ["", ""] + _bwd_block(spec, bwd, need_o, with_out=True)
     for G in GROUPS:
         L += ["", ""] + _bwd_entry(spec, need_o, G, with_out=True)
+    if accumulates(spec):  # one group: a norm's sites are not paired
+        L += ["", ""] + _bwd_block(spec, bwd, need_o, with_out=True, acc=True)
+        L += ["", ""] + _bwd_entry(spec, need_o, 1, with_out=True, acc=True)
     for t in _cols(spec):
         L += ["", ""] + _colsum(spec, t)
     return "\n".join(L) + "\n"

@@ -11,7 +11,7 @@ from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
 from ..launching import NotTraceable, cdiv, launcher, pow2, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
-from .codegen import GROUPS
+from .codegen import GROUPS, accumulates
 from .layout import (
     Group,
     flat_cut,
@@ -123,11 +123,18 @@ def backward(
 
 
 def backward_with_out(
-    spelling, grad: torch.Tensor, args: tuple, needs: list[bool], rounding: str = "autograd"
+    spelling,
+    grad: torch.Tensor,
+    args: tuple,
+    needs: list[bool],
+    rounding: str = "autograd",
+    acc: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The gradients as `backward` gives them, then the forward's output, made in the same pass over
-    the rows (the row statistics too, so none are read): for an output recomputed in the backward."""
-    return backward_group(spelling, [grad], [args], [None], [needs], rounding, with_out=True)[0]
+    the rows (the row statistics too, so none are read): for an output recomputed in the backward.
+    acc: a tensor of the first argument's shape added to its gradient as it is stored (rounded as
+    eager rounds the gradient, then the sum): a norm's input gradient joining the residual stream's."""
+    return backward_group(spelling, [grad], [args], [None], [needs], rounding, with_out=True, acc=acc)[0]
 
 
 def backward_group(
@@ -138,6 +145,7 @@ def backward_group(
     needs_per_set: list[list[bool]],
     rounding: str = "autograd",
     with_out: bool = False,
+    acc: torch.Tensor | None = None,
 ) -> list[list[torch.Tensor]]:
     """Gradients of every tensor argument of each argument set (empty where that set's `needs` is
     False), in one launch when the sets can share one. A per-column argument is then the same
@@ -145,6 +153,8 @@ def backward_group(
     that needs it; zeros in the others, so that autograd's sum counts it once). with_out: each
     set's forward output follows its gradients, and `stats` are not read (None)."""
     groups, scalars = groups_of(spelling, arg_sets)
+    if acc is not None:
+        _check_acc(spelling, groups, acc, needs_per_set, with_out)
     if len(groups) > 1 and not shareable(groups):
         return [
             backward_group(spelling, [g], [a], [st], [nd], rounding, with_out)[0]
@@ -152,6 +162,8 @@ def backward_group(
         ]
     needs = [any(col) for col in zip(*needs_per_set)]
     k = kernel_for(spelling, groups[0], rounding)
+    if acc is not None and not accumulates(k.spec):
+        raise ValueError(f"{spelling.qualname}: its kernels have no accumulating backward (not a norm)")
 
     def reference():
         res = [
@@ -163,12 +175,14 @@ def backward_group(
         ]
         if with_out:
             res = [r + [_reference_forward(spelling, a, k)[0]] for r, a in zip(res, arg_sets)]
+        if acc is not None:  # the stock code's gradient, then eager's add
+            res[0][0] = _laid_out(spelling, arg_sets[0], k, res[0][0] + acc)
         return res
 
     if has_failed(k.spec.name, dev_type(groups)):
         _untraced(k)
         return reference()
-    C = flat_cut(k.elementwise, groups, extra=grads)
+    C = flat_cut(k.elementwise, groups, extra=grads) if acc is None else 0  # a norm is never cut
     if C:
         res = backward_group(
             spelling,
@@ -215,13 +229,15 @@ def backward_group(
             outs.append(fwd_outs[-1])
         main = main_order(reduces, elems, g.lay.shape)
         sizes, strides, views = row_plan(
-            g.lay.shape, [grad, *elems, *outs], main=None if main is None else 1 + main
+            g.lay.shape, [grad, *elems, *outs, *([acc] if acc is not None else [])], main=None if main is None else 1 + main
         )
         flat = [strided(v, s) for v, s in zip(views, strides)]
         gargs += [a for f in flat[: 1 + len(elems)] for a in f] + ([] if with_out else [st])
         done = iter(flat[1 + len(elems) :])
         for b in bufs.values():  # a gradient not needed: a dummy pointer the kernel never writes
             gargs += next(done) if b is not None else [dummy, 0, 0, 0, 0]
+        if acc is not None:  # last in the plan, read after the gradients' pointers
+            gargs += flat[-1]
         if with_out:
             gargs += next(done)
         gargs += [g.lay.M if N else 0, sizes[1], sizes[2]]
@@ -242,7 +258,8 @@ def backward_group(
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
         try:
-            launcher(k.fn(_entry("bwdo" if with_out else "bwd", len(groups)), dev))[(nprog,)](
+            which = ("bwdo" if with_out else "bwd") + ("a" if acc is not None else "")
+            launcher(k.fn(_entry(which, len(groups)), dev))[(nprog,)](
                 *shared, *gargs, N, float(N), **cfg, **flags, **k.options(dev)
             )
         except Exception as e:  # noqa: BLE001 - as in the forward: the stock code's gradients
@@ -278,6 +295,25 @@ def backward_group(
     if with_out:
         out = [r + [y] for r, y in zip(out, fwd_outs)]
     return out
+
+
+def _check_acc(spelling, groups: list[Group], acc: torch.Tensor, needs_per_set, with_out: bool) -> None:
+    """The accumulating backward serves one set, a norm, whose first argument's gradient is wanted
+    and has acc's shape and dtype (the rewriter's pass checks the same before it asks for it)."""
+    first = spelling.tensor_names[0]
+    x = groups[0].tensors[first]
+    if not (
+        len(groups) == 1
+        and with_out
+        and needs_per_set[0][0]
+        and groups[0].lay.kinds[first] == "elem"
+        and tuple(acc.shape) == tuple(x.shape) == tuple(groups[0].lay.shape)
+        and acc.dtype == x.dtype
+    ):
+        raise ValueError(
+            f"{spelling.qualname}: an accumulated gradient needs one argument set, the forward's output, "
+            f"{first}'s gradient, and a tensor of {first}'s shape and dtype; got {tuple(acc.shape)} {acc.dtype}"
+        )
 
 
 def _column_sum(k: RowKernel, name: str, buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ class GraftedOp:
     fwd: object  # the OpOverload kernelgraft::<name>
     bwd: object
     bwd_out: object = None  # kernelgraft::<name>_bwdo (recomputed sites): the gradients, then the output
+    # kernelgraft::<name>_bwdoa: _bwdo with a tensor added to the first argument's gradient (norms)
+    bwd_out_acc: object = None
 
     def __call__(self, *args):
         return self.fwd(*args)[0]
@@ -116,6 +118,7 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
     bwd_schema = f"(Tensor grad, {schema_args(sp)}, Tensor stats, bool[] needs) -> Tensor[]"
     _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema, traceable=True)
     bwd_out_op = _bwd_out_op(sp, name, rounding, bwd_fake) if recompute else None
+    bwd_acc_op = _bwd_out_op(sp, name, rounding, bwd_fake, acc=True) if recompute else None
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(inputs[i] for i in tensor_idx), output[1])
@@ -134,28 +137,33 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
 
     fwd.register_autograd(backward_by(bwd_op), setup_context=setup_context)
     register_eager_call(fwd_op, eager_call(name, fwd_impl, setup_context, backward_by(bwd_impl)))
-    return GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op)
+    return GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op, bwd_acc_op)
 
 
-def _bwd_out_op(sp, name: str, rounding: str, bwd_fake):
+def _bwd_out_op(sp, name: str, rounding: str, bwd_fake, acc: bool = False):
     """kernelgraft::<name>_bwdo(grad, args..., needs) -> [gradients..., output]: the backward of a
     site whose output is recomputed, making that output in the same pass (launch.backward_with_out).
     Not called by autograd: the rewriter's pass over the backward graph puts it where the
-    recomputed forward and the backward read the same arguments."""
+    recomputed forward and the backward read the same arguments. acc: kernelgraft::<name>_bwdoa(grad,
+    args..., acc, needs), which adds acc to the first argument's gradient (a norm's input gradient
+    joining the residual stream's: the rewriter's pass puts it in place of that add)."""
 
     def impl(grad, *rest):
         *args, needs = rest
-        return launch.backward_with_out(sp, grad, tuple(args), list(needs), rounding)
+        a = args.pop() if acc else None
+        return launch.backward_with_out(sp, grad, tuple(args), list(needs), rounding, acc=a)
 
     def fake(grad, *rest):
         *args, needs = rest
+        if acc:
+            args.pop()
         return [*bwd_fake(grad, *args, None, needs), _fake(sp, tuple(args), rounding)[0]]
 
     return define(
-        f"{name}_bwdo",
+        f"{name}_bwdo{'a' if acc else ''}",
         impl,
         fake,
-        f"(Tensor grad, {schema_args(sp)}, bool[] needs) -> Tensor[]",
+        f"(Tensor grad, {schema_args(sp)}, {'Tensor acc, ' if acc else ''}bool[] needs) -> Tensor[]",
         traceable=True,
     )[1]
 

@@ -607,8 +607,8 @@ def test_the_post_grad_pass_keys_inductors_caches_by_the_graphs_recompute_tags()
 @pytest.mark.parametrize("name, dtype", [("rms_norm.llama", torch.bfloat16), ("layer_norm.affine", torch.float32)])
 def test_a_norms_input_gradient_added_to_another_is_stored_summed(name, dtype):
     """The backward of a recomputed norm whose input gradient is added to another gradient (the
-    residual stream's): recompute.accumulate_into_gradients puts the accumulating call in place of
-    the add, which inductor then launches; run here, the bits of the call and the add apart."""
+    residual stream's): recompute.accumulate_into_gradients puts the accumulating op in place of
+    the add, which inductor then launches; run here, the bits of the op and the add apart."""
     from kernelgraft.kernels.rows import launch as row_launch
     from kernelgraft.rewriter.recompute import accumulate_into_gradients
 

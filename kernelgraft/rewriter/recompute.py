@@ -155,7 +155,7 @@ def _norm_input(op, args: list) -> torch.Tensor | None:
         return None
     try:
         tensors, lay, spec, _ = _faked(op.spelling, tuple(vals), "autograd")
-    except Exception:  # noqa: BLE001 - a call the generator cannot specialize: left as it is
+    except Exception:  # noqa: BLE001 - one the generator cannot specialize: left as it is
         return None
     x = tensors[op.spelling.tensor_names[0]]
     return x if accumulates(spec) and tuple(x.shape) == tuple(lay.shape) else None
@@ -193,7 +193,7 @@ def accumulate_into_gradients(graph: fx.Graph) -> int:
         if tuple(vo.shape) != tuple(x.shape) or vo.dtype != x.dtype or vu.dtype != x.dtype:
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if order[other] > order[f]:  # r must exist where the call runs
+        if order[other] > order[f]:  # r must exist where f runs
             continue
         with graph.inserting_before(f):
             n = graph.call_function(op.bwd_out_acc, (grad, *args, other, needs))

@@ -7,17 +7,24 @@ between steps (one mode's steps ranged over 1.4x on an H200 host): each time is 
 and the least of the steps.
 
     python benchmarks/profile_step.py [--shape "llama-135m 8x1024"] [--modes "torch.compile,kernelgraft (inductor)"]
-        -> OUT/profile_step.json, OUT/profile_step.md
+        [--wrappers] -> OUT/profile_step.json, OUT/profile_step.md
+
+--wrappers also reads the code inductor generated for each mode (compiled into a new cache
+directory): per step, kernelgraft's launches and inductor's, the arguments each passes, the extern
+calls, the views of buffers it makes and the buffers it allocates.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import json
 import os
 import pstats
+import re
 import sys
+import tempfile
 import time
 
 import torch
@@ -98,6 +105,54 @@ def profile_mode(shape: str, mode: str, steps: int = 10, top: int = 30) -> dict:
     return out
 
 
+def wrapper_launches(code: str, ours) -> dict:
+    """What one of inductor's generated wrappers does on the host per call, read from its source
+    (the `call` function): the Triton launches (`<kernel>.run(...)`) split into kernelgraft's
+    (`ours(name)`) and inductor's own, with the arguments each passes (grid and stream aside); the
+    extern calls (matmuls, attention); the views it makes of buffers (`reinterpret_tensor`); and
+    the buffers it allocates."""
+    body = code[code.index("def call(") :] if "def call(" in code else ""
+    out = dict(ours_launches=0, ours_args=0, inductor_launches=0, inductor_args=0, extern=0)
+    for line in body.splitlines():
+        m = re.match(r"\s*(\w+)\.run\(", line)
+        if m:
+            try:
+                call = ast.parse(line.strip()).body[0].value
+            except SyntaxError:  # a launch over several lines: not what inductor writes
+                continue
+            n = len(call.args) + sum(1 for k in call.keywords if k.arg != "stream")
+            who = "ours" if ours(m.group(1)) else "inductor"
+            out[f"{who}_launches"] += 1
+            out[f"{who}_args"] += n
+        elif re.match(r"\s*(\w+\s*=\s*)?(extern_kernels|torch\.ops\.\w+)\.[\w.]+\(", line):
+            out["extern"] += 1
+    out["reinterpret_tensor"] = body.count("reinterpret_tensor(")
+    out["buffers"] = body.count("empty_strided_cuda(")
+    return out
+
+
+def wrappers_since(root: str, before: set, ours) -> dict:
+    """The totals of wrapper_launches over the wrappers inductor wrote under `root` that are not in
+    `before` (one mode's graphs), and how many there were."""
+    total: dict = {"graphs": 0}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if not f.endswith(".py") or path in before:
+                continue
+            code = open(path).read()
+            if "def call(" not in code:
+                continue
+            total["graphs"] += 1
+            for k, v in wrapper_launches(code, ours).items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def _py_files(root: str) -> set:
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")}
+
+
 def host_by_op(prof, steps: int, top: int = 30) -> list[dict]:
     """torch.profiler's CPU events -> the ops and kernel launches that took the most host time, per
     step: [{name, calls, self_us (per step), us_per_call}], most first. Self time: the event's own
@@ -135,11 +190,26 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="llama-135m 8x1024")
     ap.add_argument("--modes", default="torch.compile,kernelgraft (inductor)")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--wrappers",
+        action="store_true",
+        help="compile into a new inductor cache directory and read each mode's generated wrappers: "
+        "launches, launch arguments, views and buffers per step",
+    )
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    root = None
+    if a.wrappers:  # before anything compiles: inductor reads it when it first writes
+        root = tempfile.mkdtemp(prefix="kg_wrappers_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = root
     res = {}
     for mode in a.modes.split(","):
+        before = _py_files(root) if root else set()
         res[mode] = profile_mode(a.shape, mode, a.steps)
+        if root:
+            from kernelgraft.kernels.launching import is_kernelgraft_kernel
+
+            res[mode]["wrappers"] = wrappers_since(root, before, lambda n: is_kernelgraft_kernel(re.sub(r"_\d+$", "", n)))
         brief = {k: v for k, v in res[mode].items() if k not in ("cprofile", "top_kernels", "host_ops")}
         print(mode, brief, flush=True)
     json.dump(
@@ -157,6 +227,19 @@ def main(argv=None) -> int:
             f"| {m} | {r['wall_ms']:.2f} ({r['wall_least_ms']:.2f}) | {r['host_fwd_ms']:.2f} | "
             f"{r['host_bwd_ms']:.2f} | {r['host_least_ms']:.2f} | {r['kernels']} | {r['device_ms']:.2f} |"
         )
+    if root:
+        L += [
+            "\nWhat the generated wrappers do on the host per step (inductor's code, read)\n",
+            "| mode | graphs | kernelgraft launches (arguments) | inductor's launches (arguments) | extern calls | views made | buffers |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for m, r in res.items():
+            w = r["wrappers"]
+            L.append(
+                f"| {m} | {w['graphs']} | {w.get('ours_launches', 0)} ({w.get('ours_args', 0)}) | "
+                f"{w.get('inductor_launches', 0)} ({w.get('inductor_args', 0)}) | {w.get('extern', 0)} | "
+                f"{w.get('reinterpret_tensor', 0)} | {w.get('buffers', 0)} |"
+            )
     for m, r in res.items():
         L += [f"\n{m}: device time by kernel (one step)\n", "| ms | launches | kernel |", "|---|---|---|"]
         L += [f"| {k['ms']:.3f} | {k['count']} | `{k['kernel']}` |" for k in r["top_kernels"]]

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+from collections import Counter
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -15,7 +16,7 @@ from ..kernels.fallback import warn_once
 from ..kernels.lm_head import explain_markers
 from ..options import Options
 from .backend import Grafter
-from .report import RewriteReport
+from .report import RewriteReport, graph_break_reasons
 
 
 def optimize(
@@ -325,8 +326,12 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
     # explain shows what a training step would get (the LM head fused) though it captures under no_grad
     grafter = Grafter("eager", patterns, dry_run=True, training=True)
+    from torch._dynamo.utils import counters  # import here: dynamo's, read around the capture
+
+    before = Counter(counters["graph_break"])
     with torch.no_grad(), capture_settings():
         torch.compile(fresh_entry("explain"), backend=grafter)(model, *args, **kwargs)
+    grafter.report.graph_breaks = graph_break_reasons(Counter(counters["graph_break"]) - before)
     if grafter.report.graphs == 0:
         raise RuntimeError(
             "kernelgraft.explain: dynamo captured no graph of this model (see TORCH_LOGS=graph_breaks); "

@@ -143,6 +143,9 @@ class RewriteReport:
     # generated code launches, "host: <why>" for those left to the Python launcher
     launched_by: Counter = field(default_factory=Counter, repr=False, compare=False)
     hooks_seen_at: int = field(default=-1, repr=False, compare=False)  # graphs when hooks were last looked at
+    # dynamo's graph breaks during explain's capture, by reason (graph_break_reasons): each piece
+    # is captured and served on its own, and a site cut by a break is not seen whole
+    graph_breaks: Counter = field(default_factory=Counter, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:
         """Pattern name -> number of sites replaced (whose kernels run now)."""
@@ -208,6 +211,12 @@ class RewriteReport:
         if self.unserved:
             out.append(f"not served, nothing close ({len(self.unserved)}):")
             out += [f"  - {u}" for u in self.unserved]
+        if self.graph_breaks:
+            out.append(
+                f"graph breaks ({sum(self.graph_breaks.values())}): the model was captured in pieces, each "
+                "served on its own; a site a break cuts is not seen whole (TORCH_LOGS=graph_breaks shows where)"
+            )
+            out += [f"  - {why} (x{n})" for why, n in self.graph_breaks.most_common()]
         if self.mask_checks:
             yes, no = (sum(c.runs[i] for c in self.mask_checks) for i in (0, 1))
             out.append(
@@ -238,3 +247,15 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def graph_break_reasons(counted: Counter) -> Counter:
+    """dynamo's graph-break counter (reason text -> breaks) with each reason cut to its first two
+    lines, the kind of break and its explanation (the rest is hints and debugging context, which
+    differs between breaks of one cause), and merged."""
+    out: Counter = Counter()
+    for text, n in counted.items():
+        lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()][:2]
+        why = ": ".join(ln.removeprefix("Explanation: ") for ln in lines)
+        out[why] += n
+    return out

@@ -107,9 +107,9 @@ def groups(graph: fx.Graph) -> list[list[fx.Node]]:
 
 
 def _out_of_order(order: dict, switches: list[int], nodes: list[fx.Node], args: list[tuple]) -> str | None:
-    """Why the group cannot become one call where its first member is: a weight or bias made after
-    that (the fused call reads them all there), or a grad-mode or autocast switch between members
-    (the fused call would run on one side of it). order: the graph's nodes -> position; switches:
+    """Why the group cannot become one matmul placed at its first member: a weight or bias made after
+    that (the fused matmul reads them all there), or a grad-mode or autocast switch between members
+    (the fused matmul would run on one side of it). order: the graph's nodes -> position; switches:
     the positions of its switches."""
     first, last = order[nodes[0]], order[nodes[-1]]
     if any(isinstance(p, fx.Node) and order.get(p, last) >= first for _, w, b in args for p in (w, b)):

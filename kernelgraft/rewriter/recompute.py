@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels import FAMILIES
+from ..kernels.rows.ops import accumulating_input
 
 
 def _sites() -> tuple[dict, dict]:
@@ -147,18 +148,10 @@ def _accumulating_ops() -> dict:
 
 def _norm_input(op, args: list) -> torch.Tensor | None:
     """The first argument's fake value where the call's kernels accumulate (a norm), else None."""
-    from ..kernels.rows.codegen import accumulates  # import here: the kernels' generator, on use
-    from ..kernels.rows.ops import _faked  # import here: as above
-
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
     if any(isinstance(a, fx.Node) and not isinstance(v, torch.Tensor) for a, v in zip(args, vals)):
         return None
-    try:
-        tensors, lay, spec, _ = _faked(op.spelling, tuple(vals), "autograd")
-    except Exception:  # noqa: BLE001 - one the generator cannot specialize: left as it is
-        return None
-    x = tensors[op.spelling.tensor_names[0]]
-    return x if accumulates(spec) and tuple(x.shape) == tuple(lay.shape) else None
+    return accumulating_input(op.spelling, vals)
 
 
 def accumulate_into_gradients(graph: fx.Graph) -> int:

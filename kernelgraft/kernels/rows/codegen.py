@@ -270,7 +270,9 @@ def _loaded(spec: Spec, needed: set, cv: list[str]) -> list[str]:
     return names + cv + list(spec.scalars) + ["Nf"]
 
 
-def _which(with_out: bool, acc: bool) -> str:
+def backward_kind(with_out: bool, acc: bool) -> str:
+    """The backward entry's name after the spec's: `bwd`, `bwdo` (the output made too), `bwdoa`
+    (and a tensor added to the first argument's gradient)."""
     return ("bwdo" if with_out else "bwd") + ("a" if acc else "")
 
 
@@ -285,7 +287,7 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False, a
         + ["rb", "N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
         + needs
     )
-    L = ["@triton.jit", f"def {spec.name}_{_which(with_out, acc)}_rows({sig}):"]
+    L = ["@triton.jit", f"def {spec.name}_{backward_kind(with_out, acc)}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
     L += _rotation(IND, needed, spec.rotation)
     L += _row_index(IND)
@@ -353,7 +355,7 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False, acc: boo
     groups = [a for g in range(G) for a in _suffixed(_bwd_group_args(spec, with_out, acc), g)]
     needs = [f"NEED_{t}: tl.constexpr" for t in spec.tensors]
     sig = ", ".join(shared + groups + ["N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"] + needs)
-    which = _which(with_out, acc)
+    which = backward_kind(with_out, acc)
     name = f"{spec.name}_{which}" if G == 1 else f"{spec.name}_{which}{G}"
     L = ["@triton.jit", f"def {name}({sig}):"]
     L += _entry_head(spec, needed)

@@ -11,7 +11,7 @@ from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
 from ..launching import NotTraceable, cdiv, launcher, pow2, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
-from .codegen import GROUPS, accumulates
+from .codegen import GROUPS, accumulates, backward_kind
 from .layout import (
     Group,
     flat_cut,
@@ -258,7 +258,7 @@ def backward_group(
                 shared += [col_bufs[n], col_bufs[n].stride(0)]
         flags = {f"NEED_{name}": bool(need) for name, need in zip(k.spec.tensors, needs)}
         try:
-            which = ("bwdo" if with_out else "bwd") + ("a" if acc is not None else "")
+            which = backward_kind(with_out, acc is not None)
             launcher(k.fn(_entry(which, len(groups)), dev))[(nprog,)](
                 *shared, *gargs, N, float(N), **cfg, **flags, **k.options(dev)
             )

@@ -13,6 +13,7 @@ import torch
 from ..family import cached_op, define, eager_call, op_name, register_eager_call, schema_args
 from ..spec import build_spec
 from . import launch
+from .codegen import accumulates
 from .layout import layout, rows_like, split_args
 
 ABI = 3  # in every op name (family.op_name): bump it when what an op returns changes
@@ -60,6 +61,18 @@ def _faked(sp, args, rounding):
     lay = layout(sp, tensors)
     spec = build_spec(sp, {n: t.dtype for n, t in tensors.items()}, lay.kinds, rounding)
     return tensors, lay, spec, [t for n, t in tensors.items() if lay.kinds[n] == "elem"]
+
+
+def accumulating_input(sp, args) -> torch.Tensor | None:
+    """The first tensor argument of a call (fake values will do) where the call's kernels have the
+    accumulating backward (codegen.accumulates: a norm) and that argument is not broadcast; else
+    None (also where the generator cannot specialize the call)."""
+    try:
+        tensors, lay, spec, _ = _faked(sp, tuple(args), "autograd")
+    except Exception:  # noqa: BLE001 - a call the generator refuses: no accumulating backward
+        return None
+    x = tensors[sp.tensor_names[0]]
+    return x if accumulates(spec) and tuple(x.shape) == tuple(lay.shape) else None
 
 
 def _fake(sp, args, rounding):

@@ -57,6 +57,35 @@ def test_launched_by_inductor_gives_the_bits_of_the_python_launcher(arch):
         _same_bits(a, b_)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_residual_adds_joined_to_the_norms_give_the_bits_of_the_adds_apart(arch, monkeypatch):
+    """The residual stream's adds made by the norms' kernels (residual.add_into_norms in the
+    forward, residual.accumulate_into_gradients in the backward), launched by inductor on the
+    GPU: the loss and every gradient but the embedding's are the bits of a step with the adds
+    apart (the embedding's: the CPU test says why, and judges it by the rule)."""
+    from kernelgraft.rewriter import residual
+
+    b = batch(B=4, S=64, device="cuda")
+    real = {name: getattr(residual, name) for name in ("add_into_norms", "accumulate_into_gradients")}
+    counts, got = {name: [] for name in real}, {}
+    for on in (True, False):
+        for name, fn in real.items():
+            monkeypatch.setattr(
+                residual, name, (lambda g, fn=fn, name=name: counts[name].append(fn(g)) or counts[name][-1]) if on else (lambda g: 0)
+            )
+        torch._dynamo.reset()
+        model = tiny_model(arch, torch.bfloat16, device="cuda")
+        kernelgraft.optimize(model)
+        got[on] = [_step(model, b, s) for s in (1.0, 0.3)]
+        assert not [k for k in model.kernelgraft_report.launched_by if k.startswith("host")]
+    L = model.config.num_hidden_layers
+    assert counts == {"add_into_norms": [2 * L, 0], "accumulate_into_gradients": [0, 2 * L]}, counts
+    for (la, ga), (lb, gb) in zip(got[True], got[False]):
+        ga = {n: g for n, g in ga.items() if "embed_tokens" not in n}
+        gb = {n: g for n, g in gb.items() if "embed_tokens" not in n}
+        _same_bits((la, ga), (lb, gb))
+
+
 class _Adapted(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -607,10 +607,10 @@ def test_the_post_grad_pass_keys_inductors_caches_by_the_graphs_recompute_tags()
 @pytest.mark.parametrize("name, dtype", [("rms_norm.llama", torch.bfloat16), ("layer_norm.affine", torch.float32)])
 def test_a_norms_input_gradient_added_to_another_is_stored_summed(name, dtype):
     """The backward of a recomputed norm whose input gradient is added to another gradient (the
-    residual stream's): recompute.accumulate_into_gradients puts the accumulating op in place of
+    residual stream's): residual.accumulate_into_gradients puts the accumulating op in place of
     the add, which inductor then launches; run here, the bits of the op and the add apart."""
     from kernelgraft.kernels.rows import launch as row_launch
-    from kernelgraft.rewriter.recompute import accumulate_into_gradients
+    from kernelgraft.rewriter.residual import accumulate_into_gradients
 
     sp, args = _inputs(name, dtype)
     op = op_for(sp, ROUNDING, recompute=True)
@@ -643,8 +643,70 @@ def test_a_norms_input_gradient_added_to_another_is_stored_summed(name, dtype):
             assert torch.equal(a, b), what
 
 
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("rms_norm.llama", torch.bfloat16), ("rms_norm.gemma", torch.float16), ("layer_norm.affine", torch.float32)],
+)
+def test_a_norm_of_a_sum_makes_and_stores_the_sum_as_it_loads_the_rows(name, dtype):
+    """A norm whose input is an add of two tensors (the residual stream and a sublayer's output):
+    residual.add_into_norms puts the adding forward in place of both, which inductor then launches;
+    run here, the norm's output and statistics and the sum are the bits of the add and the norm
+    apart, and the add's other readers read the stored sum."""
+    from kernelgraft.kernels.rows import launch as row_launch
+    from kernelgraft.rewriter.residual import add_into_norms
+
+    sp, args = _inputs(name, dtype)
+    op = op_for(sp, ROUNDING)
+    n_t = len(sp.tensor_names)
+    gen = torch.Generator().manual_seed(7)
+    r = torch.randn(args[0].shape, generator=gen).to(dtype)
+    o = (torch.randn(args[0].shape, generator=gen) * 3).to(dtype)
+    scalars = [a for a in args if not isinstance(a, torch.Tensor)]
+
+    def step(r, o, *rest):
+        h = r + o
+        y, st = op.fwd(h, *rest, *scalars)
+        return [y, st, h * 2]  # h read on: the stream
+
+    inputs = [r, o, *args[1:n_t]]
+    gm = _graph(step, inputs)
+    assert add_into_norms(gm.graph) == 1
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert launch_in_graph(gm.graph) == {"inductor": 1}
+    gm.recompile()
+    got, launches = _run_on_cpu(gm, sp, args, inputs)
+    assert launches == ["fwda"]
+    h = r + o
+    y, st = row_launch.forward(sp, (h, *args[1:]), ROUNDING)
+    for what, a, b in zip(["out", "stats", "stream"], got, [y, st, h * 2]):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), what
+
+
+def test_a_norm_of_a_broadcast_or_later_sum_is_left_apart():
+    from kernelgraft.rewriter.residual import add_into_norms
+
+    sp, args = _inputs("rms_norm.llama", torch.float32)
+    op = op_for(sp, ROUNDING)
+    x, w, eps = args
+
+    def broadcast(x, w):
+        return list(op.fwd(x + x.sum(0, keepdim=True), w, eps))  # a term of another shape
+
+    def weight_made_after(x, w):
+        h = x + x
+        y, st = op.fwd(h, w.exp(), eps)  # the weight is made after the add, which the call would move to
+        return [y, st, h]
+
+    def rounded_otherwise(x, w):
+        return list(op.fwd(x + x.to(torch.bfloat16), w, eps))  # a term's dtype is not the norm input's
+
+    for fn in (broadcast, weight_made_after, rounded_otherwise):
+        gm = _graph(fn, [x, w])
+        assert add_into_norms(gm.graph) == 0, fn.__name__
+
+
 def test_an_input_gradient_read_twice_or_added_to_a_later_one_is_left_apart():
-    from kernelgraft.rewriter.recompute import accumulate_into_gradients
+    from kernelgraft.rewriter.residual import accumulate_into_gradients
 
     sp, args = _inputs("rms_norm.llama", torch.float32)
     op = op_for(sp, ROUNDING, recompute=True)

@@ -354,23 +354,27 @@ def test_the_pass_fuses_a_site_only_where_it_keeps_the_graph(case, fused):
         assert torch.equal(a, b)  # on the CPU the fused pass is bitwise the pair it replaces
 
 
-def test_norm_input_gradients_joined_to_the_residual_stream_give_the_same_bits(monkeypatch):
-    """Under inductor a layer's norms add their input gradients to the residual stream's as they
-    store them (recompute.accumulate_into_gradients: 2 per layer in a tiny Llama). A step with the
-    pass and one without, in bf16: the same loss and the same bits in every gradient but the
+def test_the_residual_streams_adds_joined_to_the_norms_give_the_same_bits(monkeypatch):
+    """Under inductor a layer's norms make the residual stream's sums as they load their rows
+    (residual.add_into_norms) and add their input gradients to the stream's as they store them
+    (residual.accumulate_into_gradients): 2 of each per layer in a tiny Llama. A step with the
+    passes and one without, in bf16: the same loss and the same bits in every gradient but the
     embedding's. The first layer's input norm's sum feeds the embedding's backward, into which
     inductor fuses the add without rounding it to bf16; the pass rounds it, as eager does. That
     gradient is judged by the rule (beside float64 truth and eager), as every other."""
-    from kernelgraft.rewriter import recompute
+    from kernelgraft.rewriter import residual
 
     stock = tiny_model("llama", torch.bfloat16, layers=2)
     b = batch(B=2, S=16)
-    real = recompute.accumulate_into_gradients
-    counts, got = [], {}
+    real = {name: getattr(residual, name) for name in ("add_into_norms", "accumulate_into_gradients")}
+    counts, got = {name: [] for name in real}, {}
+
+    def counted(name):
+        return lambda g: counts[name].append(real[name](g)) or counts[name][-1]
+
     for on in (True, False):
-        monkeypatch.setattr(
-            recompute, "accumulate_into_gradients", (lambda g: counts.append(real(g)) or counts[-1]) if on else (lambda g: 0)
-        )
+        for name in real:
+            monkeypatch.setattr(residual, name, counted(name) if on else (lambda g: 0))
         torch._dynamo.reset()
         mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
         with (
@@ -380,11 +384,14 @@ def test_norm_input_gradients_joined_to_the_residual_stream_give_the_same_bits(m
             loss = mine(**b).loss
             loss.backward()
         got[on] = (loss.detach(), {n: p.grad.clone() for n, p in mine.named_parameters()})
-    assert counts == [0, 2 * stock.config.num_hidden_layers], counts  # the forward graph, the backward
+    L = stock.config.num_hidden_layers
+    # the forward graph, then the backward: the adds before every norm but the first layer's input norm
+    assert counts == {"add_into_norms": [2 * L, 0], "accumulate_into_gradients": [0, 2 * L]}, counts
     assert torch.equal(got[True][0], got[False][0])
     differ = [n for n in got[True][1] if not torch.equal(got[True][1][n], got[False][1][n])]
     assert set(differ) <= {"model.embed_tokens.weight"}, differ
-    monkeypatch.setattr(recompute, "accumulate_into_gradients", real)
+    for name in real:
+        monkeypatch.setattr(residual, name, real[name])
     torch._dynamo.reset()
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
     with (

@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..kernels.family import eager_call_of, traceable_impl
 from ..kernels.launching import is_kernelgraft_kernel, traced_launches
-from . import recompute
+from . import recompute, residual
 
 
 def _static_cuda(v) -> bool:
@@ -361,7 +361,8 @@ except ImportError:  # pragma: no cover - older torch: a plain callable, caching
 
 class PostGradPass(CustomGraphPass):
     """kernelgraft's passes over inductor's post-grad graphs, after any the user set (`chained`):
-    recomputed outputs made by the backward kernels (recompute.py), then the launches recorded
+    recomputed outputs made by the backward kernels (recompute.py), the residual stream's adds
+    joined to the norms' kernels (residual.py), then the launches recorded
     (launch_in_graph). `launches` (a Counter, the report's where given) counts what
     launch_in_graph did; a graph inductor loads from its cache runs no pass and counts nothing."""
 
@@ -389,7 +390,8 @@ class PostGradPass(CustomGraphPass):
             self.chained(graph)
         if self.fuse_recompute:
             recompute.fuse_recomputed_outputs(graph)
-            recompute.accumulate_into_gradients(graph)
+            residual.add_into_norms(graph)
+            residual.accumulate_into_gradients(graph)
         if self.launch:
             self.launches.update(launch_in_graph(graph))
         elif self.host_because:
@@ -412,6 +414,7 @@ class PostGradPass(CustomGraphPass):
         files = (
             __file__,
             recompute.__file__,
+            residual.__file__,
             ops.__file__,
             launch.__file__,
             layout.__file__,

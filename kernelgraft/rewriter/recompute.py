@@ -16,9 +16,7 @@ step, the gated MLP's forward read its two 16384 x 8192 inputs again.
 A site is left as it is where a reader of y is also needed to make dy (the final norm's output
 feeds the LM head's backward, which makes that norm's dy): the pass never makes a cycle.
 
-Then (accumulate_into_gradients) a norm's input gradient that is only added to another gradient
-made before the call (a decoder's residual stream) is stored with it added, by `_bwdoa`: the
-add's launch, and its read and write of the rows, go.
+Then residual.py joins the residual stream's adds to the norms' calls, the backward's among them.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import torch
 import torch.fx as fx
 
 from ..kernels import FAMILIES
-from ..kernels.rows.ops import accumulating_input
 
 
 def _sites() -> tuple[dict, dict]:
@@ -132,68 +129,5 @@ def fuse_recomputed_outputs(graph: fx.Graph) -> int:
                 graph.erase_node(n)
         if not f.users:
             graph.erase_node(f)
-        done += 1
-    return done
-
-
-def _accumulating_ops() -> dict:
-    """{_bwdo overload: op} of the recomputed ops defined so far that have an accumulating variant."""
-    return {
-        op.bwd_out: op
-        for family in FAMILIES.values()
-        for op in family.recomputed_ops()
-        if getattr(op, "bwd_out_acc", None) is not None
-    }
-
-
-def _norm_input(op, args: list) -> torch.Tensor | None:
-    """The first argument's fake value where the call's kernels accumulate (a norm), else None."""
-    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
-    if any(isinstance(a, fx.Node) and not isinstance(v, torch.Tensor) for a, v in zip(args, vals)):
-        return None
-    return accumulating_input(op.spelling, vals)
-
-
-def accumulate_into_gradients(graph: fx.Graph) -> int:
-    """Each `add(dx, r)` of a norm's input gradient dx (from its `_bwdo` call, read by nothing else)
-    and another gradient r of the same shape and dtype, made before that call (the residual
-    stream's, in a decoder) -> the `_bwdoa` call, which stores dx + r where it stored dx: rounded
-    as eager rounds dx, then the sum. One launch and one pass over the rows fewer per norm;
-    -> how many."""
-    ops = _accumulating_ops()
-    if not ops:
-        return 0
-    done = 0
-    for f in [n for n in graph.nodes if n.op == "call_function" and n.target in ops]:
-        op = ops[f.target]
-        grad, *args, needs = f.args
-        if f.kwargs or not isinstance(needs, (list, tuple)) or not needs or not needs[0]:
-            continue
-        gx = _getitems(f, 0)
-        if len(gx) != 1 or len(gx[0].users) != 1:
-            continue
-        gx = gx[0]
-        (u,) = gx.users
-        if u.op != "call_function" or u.target is not torch.ops.aten.add.Tensor or u.kwargs or len(u.args) != 2:
-            continue
-        other = u.args[1] if u.args[0] is gx else u.args[0]
-        if not isinstance(other, fx.Node) or other is gx:
-            continue
-        x = _norm_input(op, args)
-        vo, vu = other.meta.get("val"), u.meta.get("val")
-        if x is None or not isinstance(vo, torch.Tensor) or not isinstance(vu, torch.Tensor):
-            continue
-        if tuple(vo.shape) != tuple(x.shape) or vo.dtype != x.dtype or vu.dtype != x.dtype:
-            continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        if order[other] > order[f]:  # r must exist where f runs
-            continue
-        with graph.inserting_before(f):
-            n = graph.call_function(op.bwd_out_acc, (grad, *args, other, needs))
-        n.meta.update(f.meta)
-        f.replace_all_uses_with(n)
-        u.replace_all_uses_with(gx)
-        graph.erase_node(u)
-        graph.erase_node(f)
         done += 1
     return done

@@ -130,23 +130,56 @@ def _suffixed(names: list[str], g: int) -> list[str]:
 # ---- forward -------------------------------------------------------------------------------------
 
 
-def _fwd_group_args(spec: Spec) -> list[str]:
-    return [a for t in _elems(spec) for a in _strided(t)] + _strided("out") + ["stats_ptr", "M", "D1", "D2"]
+def _fwd_group_args(spec: Spec, add: bool = False) -> list[str]:
+    """add: the variant whose first argument is made as the sum of two tensors `a` and `b`, and
+    stored (at the first argument's pointer) as well as normed (adds_input)."""
+    a = _strided("a") + _strided("b") if add else []
+    return a + [x for t in _elems(spec) for x in _strided(t)] + _strided("out") + ["stats_ptr", "M", "D1", "D2"]
 
 
-def _fwd_block(spec: Spec, needed: set) -> list[str]:
+def adds_input(spec: Spec) -> bool:
+    """Whether the spelling's kernels have the forward that makes its first argument as a sum
+    (`_fwda`): a norm (as accumulates) whose first argument is not read at a rotated column. A
+    decoder norms the residual stream right after adding a sublayer's output to it; the add then
+    happens as the row is loaded, its sum stored for the stream (rewriter/recompute.py)."""
+    if not accumulates(spec):
+        return False
+    need = emit.needed(spec.output, *(r.summand for r in spec.reductions))
+    return f"{spec.tensors[0]}__p" not in need
+
+
+def _added_input(spec: Spec, indent: str) -> list[str]:
+    """The first argument made as a + b, rounded as eager's add stores it, then stored where the
+    first argument's pointer says: the sum's one write, the norm reading it from registers."""
+    x = spec.tensors[0]
+    L = [f"{indent}{x}_o = {_offset(x)}"]
+    for t in ("a", "b"):
+        L.append(f"{indent}{t}_in_ = tl.load({t}_ptr + {_offset(t)} + cols * {t}_sc, mask=mask, other=0.0).to(tl.float32)")
+    total = round_to(sympy.Symbol("a_in_") + sympy.Symbol("b_in_"), LOW.get(spec.dtypes[x], "float32"))
+    lines, (e,) = emit.cse_lines([total], "xa", indent)
+    L += lines
+    L.append(f"{indent}{x} = {e}")
+    L.append(f"{indent}tl.store({x}_ptr + {x}_o + cols * {x}_sc, {x}, mask=mask)")
+    return L
+
+
+def _fwd_block(spec: Spec, needed: set, add: bool = False) -> list[str]:
     cv = _col_vars(spec, needed)
     sig = ", ".join(
-        _fwd_group_args(spec)
+        _fwd_group_args(spec, add)
         + cv
         + list(spec.scalars)
         + ["rb", "N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
     )
-    L = ["@triton.jit", f"def {spec.name}_fwd_rows({sig}):"]
+    L = ["@triton.jit", f"def {spec.name}_{'fwda' if add else 'fwd'}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
     L += _rotation(IND, needed, spec.rotation)
     L += _row_index(IND)
-    L += _elem_loads(spec, _elems(spec), IND, needed)
+    elems = _elems(spec)
+    if add:
+        L += _added_input(spec, IND)
+        elems = elems[1:]
+    L += _elem_loads(spec, elems, IND, needed)
     wide = in_float64(spec)
     if wide:
         L += _widened(_loaded(spec, needed, cv))
@@ -155,31 +188,37 @@ def _fwd_block(spec: Spec, needed: set) -> list[str]:
     return L
 
 
-def _fwd_entry(spec: Spec, needed: set, G: int) -> list[str]:
+def _fwd_entry(spec: Spec, needed: set, G: int, add: bool = False) -> list[str]:
     shared = [a for t in _cols(spec) for a in (f"{t}_ptr", f"{t}_sc")] + list(spec.scalars)
-    groups = [a for g in range(G) for a in _suffixed(_fwd_group_args(spec), g)]
+    groups = [a for g in range(G) for a in _suffixed(_fwd_group_args(spec, add), g)]
     sig = ", ".join(shared + groups + ["N", "Nf", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"])
-    name = f"{spec.name}_fwd" if G == 1 else f"{spec.name}_fwd{G}"
+    which = "fwda" if add else "fwd"
+    name = f"{spec.name}_{which}" if G == 1 else f"{spec.name}_{which}{G}"
     L = ["@triton.jit", f"def {name}({sig}):"]
     L += _entry_head(spec, needed)
     tail = _col_vars(spec, needed) + list(spec.scalars)
     L.append(f"{IND}start = 0")
     for g in range(G):
         call = ", ".join(
-            _suffixed(_fwd_group_args(spec), g) + tail + ["pid - start", "N", "Nf", "BLOCK_M", "BLOCK_N"]
+            _suffixed(_fwd_group_args(spec, add), g) + tail + ["pid - start", "N", "Nf", "BLOCK_M", "BLOCK_N"]
         )
         L.append(f"{IND}nb = (M_g{g} + BLOCK_M - 1) // BLOCK_M")
         L.append(f"{IND}if (pid >= start) & (pid < start + nb):")
-        L.append(f"{IND2}{spec.name}_fwd_rows({call})")
+        L.append(f"{IND2}{spec.name}_{which}_rows({call})")
         L.append(f"{IND}start = start + nb")
     return L
 
 
 def forward_source(spec: Spec) -> str:
+    """The forward entries (`_fwd`, `_fwd2`); for a norm also `_fwda`, which makes its first
+    argument as a sum and stores it (adds_input)."""
     need = emit.needed(spec.output, *(r.summand for r in spec.reductions))
     L = _fwd_block(spec, need)
     for G in GROUPS:
         L += ["", ""] + _fwd_entry(spec, need, G)
+    if adds_input(spec):  # one group: a norm's sites are not paired
+        L += ["", ""] + _fwd_block(spec, need, add=True)
+        L += ["", ""] + _fwd_entry(spec, need, 1, add=True)
     return "\n".join(L) + "\n"
 
 

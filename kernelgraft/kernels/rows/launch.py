@@ -11,7 +11,7 @@ from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
 from ..launching import NotTraceable, cdiv, launcher, pow2, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
-from .codegen import GROUPS, accumulates, backward_kind
+from .codegen import GROUPS, accumulates, adds_input, backward_kind
 from .layout import (
     Group,
     flat_cut,
@@ -33,13 +33,34 @@ def forward(spelling, args: tuple, rounding: str = "autograd") -> tuple[torch.Te
     return forward_group(spelling, [args], rounding)[0]
 
 
+def forward_add(
+    spelling, a: torch.Tensor, b: torch.Tensor, args: tuple, rounding: str = "autograd"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of a norm whose first tensor argument is a + b (args: the spelling's arguments
+    in order, None in that one's place) -> (out, row stats, a + b), in one pass over the rows: the
+    sum is made as the rows are loaded, rounded as eager's add rounds it, and stored for the caller
+    (a decoder's residual stream)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(
+            f"{spelling.qualname}: the added input's terms must have one shape and dtype; got "
+            f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}"
+        )
+    h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    first = spelling.arg_names.index(spelling.tensor_names[0])
+    ((out, stats),) = forward_group(spelling, [(*args[:first], h, *args[first + 1 :])], rounding, add=(a, b))
+    return out, stats, h
+
+
 def forward_group(
-    spelling, arg_sets: list[tuple], rounding: str = "autograd"
+    spelling, arg_sets: list[tuple], rounding: str = "autograd", add: tuple | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One launch for several argument sets that differ only in their per-element tensors (q and k
     with shared cos, sin) -> [(out, row stats)] per set. Sets that cannot share a launch (other
-    shapes, dtypes or per-column tensors) get one launch each: the same numbers."""
+    shapes, dtypes or per-column tensors) get one launch each: the same numbers. add: (a, b), one
+    set, a norm's: its first tensor (an empty one) is filled with a + b by the launch (forward_add)."""
     groups, scalars = groups_of(spelling, arg_sets)
+    if add is not None:
+        _check_add(spelling, groups, add)
     if len(groups) > 1 and not shareable(groups):
         return [forward_group(spelling, [a], rounding)[0] for a in arg_sets]
     if len(groups) not in GROUPS:
@@ -47,10 +68,19 @@ def forward_group(
             f"{spelling.qualname}: {len(groups)} groups in one launch; generated entries serve {GROUPS}"
         )
     k = kernel_for(spelling, groups[0], rounding)
+    if add is not None and not adds_input(k.spec):
+        raise ValueError(f"{spelling.qualname}: its kernels have no forward that adds its input (not a norm)")
+
+    def reference():
+        if add is not None:  # eager's add into the first argument, then the stock code
+            with torch.no_grad():
+                arg_sets[0][0].copy_(add[0] + add[1])
+        return [_reference_forward(spelling, a, k) for a in arg_sets]
+
     if has_failed(k.spec.name, dev_type(groups)):
         _untraced(k)
-        return [_reference_forward(spelling, a, k) for a in arg_sets]
-    C = flat_cut(k.elementwise, groups)
+        return reference()
+    C = flat_cut(k.elementwise, groups) if add is None else 0  # a norm is never cut
     if C:
         out, _ = forward_group(spelling, [recut(spelling, arg_sets[0], C)], rounding)[0]
         shape = groups[0].lay.shape  # no row statistics (no reduction), but their usual shape
@@ -65,8 +95,10 @@ def forward_group(
         out = rows_like(bool(k.spec.reductions), elems, g.lay.shape, k.spec.out_dtype)
         stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
         results.append((out, stats))
+        main = main_order(bool(k.spec.reductions), elems, g.lay.shape)
+        terms = list(add) if add is not None else []
         sizes, strides, views = row_plan(
-            g.lay.shape, [*elems, out], main=main_order(bool(k.spec.reductions), elems, g.lay.shape)
+            g.lay.shape, [*terms, *elems, out], main=None if main is None else len(terms) + main
         )
         for v, st in zip(views, strides):
             gargs += strided(v, st)
@@ -87,7 +119,7 @@ def forward_group(
     cfg = config(max(g.lay.M for g in groups), N, dev, sums_columns=False, reduces=bool(k.spec.reductions))
     grid = (sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
     try:
-        launcher(k.fn(_entry("fwd", len(groups)), dev))[grid](
+        launcher(k.fn(_entry("fwd" if add is None else "fwda", len(groups)), dev))[grid](
             *shared, *scalars, *gargs, N, float(N), **cfg, **k.options(dev)
         )
     except Unsupported:
@@ -96,8 +128,24 @@ def forward_group(
         if tracing():
             raise
         _failed(k, dev, e, spelling, groups)
-        return [_reference_forward(spelling, a, k) for a in arg_sets]
+        return reference()
     return results
+
+
+def _check_add(spelling, groups: list[Group], add: tuple) -> None:
+    """The adding forward serves one set whose first argument is per-element, full-size, and has
+    the terms' shape and dtype (the rewriter's pass checks the same before it asks for it)."""
+    first = spelling.tensor_names[0]
+    x = groups[0].tensors[first]
+    if not (
+        len(groups) == 1
+        and groups[0].lay.kinds[first] == "elem"
+        and all(tuple(t.shape) == tuple(x.shape) == tuple(groups[0].lay.shape) and t.dtype == x.dtype for t in add)
+    ):
+        raise ValueError(
+            f"{spelling.qualname}: an added input needs one argument set and two terms of {first}'s shape "
+            f"{tuple(x.shape)} and dtype {x.dtype}"
+        )
 
 
 def _check_rows(groups: list[Group]) -> None:

@@ -13,7 +13,7 @@ import torch
 from ..family import cached_op, define, eager_call, op_name, register_eager_call, schema_args
 from ..spec import build_spec
 from . import launch
-from .codegen import accumulates
+from .codegen import accumulates, adds_input
 from .layout import layout, rows_like, split_args
 
 ABI = 3  # in every op name (family.op_name): bump it when what an op returns changes
@@ -28,6 +28,8 @@ class GraftedOp:
     bwd_out: object = None  # kernelgraft::<name>_bwdo (recomputed sites): the gradients, then the output
     # kernelgraft::<name>_bwdoa: _bwdo with a tensor added to the first argument's gradient (norms)
     bwd_out_acc: object = None
+    # kernelgraft::<name>_fwda: the forward with its first argument made as a sum, returned too (norms)
+    fwd_add: object = None
 
     def __call__(self, *args):
         return self.fwd(*args)[0]
@@ -63,16 +65,26 @@ def _faked(sp, args, rounding):
     return tensors, lay, spec, [t for n, t in tensors.items() if lay.kinds[n] == "elem"]
 
 
-def accumulating_input(sp, args) -> torch.Tensor | None:
-    """The first tensor argument of a call (fake values will do) where the call's kernels have the
-    accumulating backward (codegen.accumulates: a norm) and that argument is not broadcast; else
-    None (also where the generator cannot specialize the call)."""
+def _first_input(sp, args, has) -> torch.Tensor | None:
+    """The first tensor argument of a call (fake values will do) where `has(spec)` says the call's
+    kernels have a variant and that argument is not broadcast; else None (also where the generator
+    cannot specialize the call)."""
     try:
         tensors, lay, spec, _ = _faked(sp, tuple(args), "autograd")
-    except Exception:  # noqa: BLE001 - a call the generator refuses: no accumulating backward
+    except Exception:  # noqa: BLE001 - a call the generator refuses: no such variant
         return None
     x = tensors[sp.tensor_names[0]]
-    return x if accumulates(spec) and tuple(x.shape) == tuple(lay.shape) else None
+    return x if has(spec) and tuple(x.shape) == tuple(lay.shape) else None
+
+
+def accumulating_input(sp, args) -> torch.Tensor | None:
+    """The norm input whose gradient the accumulating backward can store summed (codegen.accumulates)."""
+    return _first_input(sp, args, accumulates)
+
+
+def adding_input(sp, args) -> torch.Tensor | None:
+    """The norm input the adding forward can make as a sum (codegen.adds_input)."""
+    return _first_input(sp, args, adds_input)
 
 
 def _fake(sp, args, rounding):
@@ -132,6 +144,7 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
     _, bwd_op = define(f"{name}_bwd", bwd_impl, bwd_fake, bwd_schema, traceable=True)
     bwd_out_op = _bwd_out_op(sp, name, rounding, bwd_fake) if recompute else None
     bwd_acc_op = _bwd_out_op(sp, name, rounding, bwd_fake, acc=True) if recompute else None
+    fwd_add_op = _fwd_add_op(sp, name, rounding)
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*(inputs[i] for i in tensor_idx), output[1])
@@ -150,7 +163,33 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
 
     fwd.register_autograd(backward_by(bwd_op), setup_context=setup_context)
     register_eager_call(fwd_op, eager_call(name, fwd_impl, setup_context, backward_by(bwd_impl)))
-    return GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op, bwd_acc_op)
+    return GraftedOp(sp, name, fwd_op, bwd_op, bwd_out_op, bwd_acc_op, fwd_add_op)
+
+
+def _fwd_add_op(sp, name: str, rounding: str):
+    """kernelgraft::<name>_fwda(a, b, the other args...) -> (out, row stats, a + b): the forward of
+    a call whose first tensor argument is a + b, made in the same pass (launch.forward_add). Not
+    called by autograd: the rewriter's pass over the forward graph puts it in place of a norm call
+    and the add that makes its input (a decoder's residual stream), where the add is eager's."""
+    first = sp.arg_names.index(sp.tensor_names[0])
+    rest_names = [a for i, a in enumerate(sp.arg_names) if i != first]
+
+    def impl(a, b, *rest):
+        return launch.forward_add(sp, a, b, (*rest[:first], None, *rest[first:]), rounding)
+
+    def fake(a, b, *rest):
+        h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        out, stats = _fake(sp, (*rest[:first], h, *rest[first:]), rounding)
+        return out, stats, h
+
+    rest_schema = ", ".join(f"float {a}" if a in sp.scalar_names else f"Tensor {a}" for a in rest_names)
+    return define(
+        f"{name}_fwda",
+        impl,
+        fake,
+        f"(Tensor add_a, Tensor add_b{', ' + rest_schema if rest_schema else ''}) -> (Tensor, Tensor, Tensor)",
+        traceable=True,
+    )[1]
 
 
 def _bwd_out_op(sp, name: str, rounding: str, bwd_fake, acc: bool = False):

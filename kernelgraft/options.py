@@ -108,6 +108,12 @@ class Options:
         return self.recompute is True and self.backend == "inductor"
 
     @property
+    def fuse_residual(self) -> bool:
+        """The residual stream's adds joined to the norms' kernels (inductor; off with
+        recompute="separate", which keeps every kernel call apart from the ops around it)."""
+        return self.backend == "inductor" and self.recompute != "separate"
+
+    @property
     def cuda_graphs(self) -> bool:
         """The compiled graphs run under CUDA graphs (mode "reduce-overhead" or "max-autotune"):
         nothing grafted may then read a value on the host or keep state outside the graph."""

@@ -402,3 +402,28 @@ def test_the_residual_streams_adds_joined_to_the_norms_give_the_same_bits(monkey
     # the one quantity the pass changes (the loss and the rest are its bits without it, above)
     (embedding,) = [v for v in verdicts if "embed_tokens" in str(v)]
     assert embedding.ok, str(embedding)
+
+
+@pytest.mark.parametrize("recompute, want", [(False, {"add_into_norms": [4, 0], "accumulate_into_gradients": [0, 0]}), ("separate", {})])
+def test_the_forwards_residual_adds_join_the_norms_whether_or_not_outputs_are_recomputed(recompute, want, monkeypatch):
+    """recompute=False: the forward's adds still join the norms' kernels (the backward's have no
+    recomputing call to join); recompute="separate": every kernel call stays apart, no pass runs."""
+    from kernelgraft.rewriter import residual
+
+    stock = tiny_model("llama", torch.bfloat16, layers=2)
+    counts = {}
+    for name in ("add_into_norms", "accumulate_into_gradients"):
+        real = getattr(residual, name)
+        monkeypatch.setattr(
+            residual, name, lambda g, real=real, name=name: counts.setdefault(name, []).append(real(g)) or counts[name][-1]
+        )
+    torch._dynamo.reset()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor", recompute=recompute)
+    b = batch(B=2, S=16)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
+    assert not bad, bad
+    assert counts == want, counts

@@ -140,11 +140,12 @@ class Grafter:
         # torch.compile(mode=...)'s inductor settings (CUDA graphs for "reduce-overhead")
         patches = dict(list_mode_options(o.mode)) if o.mode not in (None, "default") else {}
         tags = lowering.recompute_tags(gm)
-        if o.fuse_recompute or launch or because or tags:
+        if o.fuse_recompute or o.fuse_residual or launch or because or tags:
             key = "post_grad_custom_post_pass"
             patches[key] = lowering.PostGradPass(
                 chained=getattr(inductor_config, key),
                 fuse_recompute=o.fuse_recompute,  # not "separate": made by the backward kernels
+                fuse_residual=o.fuse_residual,
                 launch=launch,
                 launches=self.report.launched_by,
                 host_because=because,

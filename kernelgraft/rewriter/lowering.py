@@ -370,6 +370,7 @@ class PostGradPass(CustomGraphPass):
         self,
         chained=None,
         fuse_recompute: bool = True,
+        fuse_residual: bool = True,
         launch: bool = True,
         launches=None,
         host_because=None,
@@ -381,6 +382,7 @@ class PostGradPass(CustomGraphPass):
         # option or release, is partitioned anew, not loaded as the other was cut)
         self.tags = tags
         self.fuse_recompute = fuse_recompute
+        self.fuse_residual = fuse_residual
         self.launch = launch
         self.launches: Counter = launches if launches is not None else Counter()
         self.host_because = host_because  # without launches: why, counted per kernel call (None: not counted)
@@ -390,6 +392,7 @@ class PostGradPass(CustomGraphPass):
             self.chained(graph)
         if self.fuse_recompute:
             recompute.fuse_recomputed_outputs(graph)
+        if self.fuse_residual:  # after the above: the backward's adds read its calls
             residual.add_into_norms(graph)
             residual.accumulate_into_gradients(graph)
         if self.launch:
@@ -426,6 +429,7 @@ class PostGradPass(CustomGraphPass):
             get_hash_for_files(files + (str(tuning.TABLE_PATH),)),
             ops.ABI,
             self.fuse_recompute,
+            self.fuse_residual,
             self.launch,
             hashlib.sha256(repr(self.tags).encode()).hexdigest(),
             theirs,

@@ -50,6 +50,11 @@ def _norm_input(op, args: list, check=accumulating_input) -> torch.Tensor | None
     return check(op.spelling, vals)
 
 
+def _same_value(n: fx.Node, like: torch.Tensor) -> bool:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(like.shape) and v.dtype == like.dtype
+
+
 def accumulate_into_gradients(graph: fx.Graph) -> int:
     """Each `add(dx, r)` of a norm's input gradient dx (from its `_bwdo` call, read by nothing else)
     and another gradient r of the same shape and dtype, made before that call (the residual
@@ -76,10 +81,7 @@ def accumulate_into_gradients(graph: fx.Graph) -> int:
         if not isinstance(other, fx.Node) or other is gx:
             continue
         x = _norm_input(op, args)
-        vo, vu = other.meta.get("val"), u.meta.get("val")
-        if x is None or not isinstance(vo, torch.Tensor) or not isinstance(vu, torch.Tensor):
-            continue
-        if tuple(vo.shape) != tuple(x.shape) or vo.dtype != x.dtype or vu.dtype != x.dtype:
+        if x is None or not (_same_value(other, x) and _same_value(u, x)):
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         if order[other] > order[f]:  # r must exist where f runs
@@ -98,11 +100,6 @@ def accumulate_into_gradients(graph: fx.Graph) -> int:
 def _adding_ops() -> dict:
     """{forward overload: op} of the row ops defined so far that have the adding forward."""
     return {op.fwd: op for op in defined_ops() if getattr(op, "fwd_add", None) is not None}
-
-
-def _same_value(n: fx.Node, like: torch.Tensor) -> bool:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(like.shape) and v.dtype == like.dtype
 
 
 def add_into_norms(graph: fx.Graph) -> int:

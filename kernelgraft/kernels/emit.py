@@ -47,6 +47,16 @@ else:
 
 
 @triton.jit
+def _rsqrt(x):
+    # 1/sqrt(x) correctly rounded at each step (ir/sym.py says why): float32 by the IEEE functions,
+    # float64 by its own operators (IEEE there already; tl.rsqrt would be approximate)
+    if x.dtype == tl.float64:
+        return 1.0 / tl.sqrt(x)
+    else:
+        return tl.math.div_rn(1.0, tl.math.sqrt_rn(x))
+
+
+@triton.jit
 def _tanh(x):
     # tanh(x) = -m / (2 + m), m = expm1(-2|x|), with the sign of x. Below |x| = 1/2, expm1 by
     # Kahan's identity (w - 1) u / log(w), w = e^u, accurate where 2 sigmoid(2x) - 1 cancels;

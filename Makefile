@@ -21,10 +21,10 @@ demo: $(VENV)/.installed
 	$(BIN)/kernelgraft demo
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 gpu-test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m gpu
+	$(BIN)/python -m pytest -q -m gpu $(if $(PART),--part $(PART))
 
 # every causal-LM architecture of the installed transformers, tiny and explained: the README's table
 coverage: $(VENV)/.installed

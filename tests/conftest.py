@@ -21,7 +21,38 @@ except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--part",
+        default=None,
+        metavar="K/N",
+        help="run the K-th of N parts of the selected tests (every N-th, from the K-th): a run longer "
+        "than one sitting (pytest -m gpu, with its thorough property tests) split into N",
+    )
+
+
+def _part(spec: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--part wants K/N (two integers, e.g. 2/4), got {spec!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--part K/N needs 1 <= K <= N, got {spec!r}")
+    return k, n
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--part")
+    if spec:
+        k, n = _part(spec)
+        # every N-th of the selected tests: the parts about as long, a parametrized test's cases
+        # spread over them
+        keep = set(items[k - 1 :: n])
+        dropped = [it for it in items if it not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [it for it in items if it in keep]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on one)")

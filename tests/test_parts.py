@@ -1,0 +1,50 @@
+"""`pytest --part K/N` (tests/conftest.py): a long run (pytest -m gpu) split into N parts that
+together select every test once."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import pytest_collection_modifyitems
+
+
+class _Config:
+    def __init__(self, part):
+        self.part = part
+        self.deselected = []
+        self.hook = self
+
+    def getoption(self, name):
+        assert name == "--part"
+        return self.part
+
+    def pytest_deselected(self, items):
+        self.deselected += items
+
+
+class _Item:
+    keywords = {"gpu": True}  # kept as they are on a machine with or without CUDA
+
+    def __init__(self, i):
+        self.i = i
+
+    def add_marker(self, marker):
+        pass
+
+
+@pytest.mark.parametrize("n_items, n", [(126, 3), (10, 4), (3, 5), (1, 1)])
+def test_the_parts_select_every_test_once(n_items, n):
+    items = [_Item(i) for i in range(n_items)]
+    seen = []
+    for k in range(1, n + 1):
+        part, config = list(items), _Config(f"{k}/{n}")
+        pytest_collection_modifyitems(config, part)
+        seen += [it.i for it in part]
+        assert sorted(it.i for it in part + config.deselected) == list(range(n_items))
+        assert len(part) in (n_items // n, -(-n_items // n))  # about as long as each other
+    assert sorted(seen) == list(range(n_items))
+
+
+@pytest.mark.parametrize("spec", ["3", "0/2", "3/2", "a/b"])
+def test_a_malformed_part_says_what_it_wants(spec):
+    with pytest.raises(pytest.UsageError, match="K/N"):
+        pytest_collection_modifyitems(_Config(spec), [_Item(0)])

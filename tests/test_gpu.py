@@ -378,3 +378,36 @@ def test_backward_kernel_makes_the_recomputed_output_on_gpu(sp):
         differ = (a != b).float().mean().item()
         assert differ <= 1e-3, differ
         assert ((a - b).abs() <= b.abs() * 2**-7 + 1e-6).all()
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [sp for sp in REGISTRY.spellings() if sp.recompute and sp.pattern in ("rms_norm", "layer_norm")],
+    ids=lambda sp: sp.qualname,
+)
+def test_norms_take_the_residual_streams_adds_bitwise_on_gpu(sp):
+    """The `_fwda` entry (the norm of a + b, the sum stored) against the add and then the forward
+    kernel, and `_bwdoa` (the input gradient stored with r added) against `_bwdo` and then the add:
+    bitwise, at a decoder's width in bf16 (the same launch configurations as the entries they
+    stand for, so the same sums)."""
+    op = op_for(sp, "fused", recompute=True)
+    args = tuple(
+        a.detach().to(CUDA) if isinstance(a, torch.Tensor) else a
+        for a in sp.example_args(4096, 2048, torch.bfloat16, seed=3)
+    )
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    x = args[0]
+    o = torch.randn(x.shape, device=CUDA, generator=gen).to(x.dtype)
+    h = x + o
+    y, stats = op.fwd(h, *args[1:])
+    got = op.fwd_add(x, o, *args[1:])
+    for what, a, b in zip(["out", "stats", "sum"], got, [y, stats, h]):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+    g = torch.randn(y.shape, device=CUDA, generator=gen).to(y.dtype)
+    r = torch.randn(x.shape, device=CUDA, generator=gen).to(x.dtype)
+    needs = [True] * len(sp.tensor_names)
+    want = op.bwd_out(g, h, *args[1:], needs)
+    want[0] = want[0] + r
+    got = op.bwd_out_acc(g, h, *args[1:], r, needs)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), i

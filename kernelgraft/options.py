@@ -110,7 +110,7 @@ class Options:
     @property
     def fuse_residual(self) -> bool:
         """The residual stream's adds joined to the norms' kernels (inductor; off with
-        recompute="separate", which keeps every kernel call apart from the ops around it)."""
+        recompute="separate", which keeps every kernel op apart from the ops around it)."""
         return self.backend == "inductor" and self.recompute != "separate"
 
     @property

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from tiny import batch, tiny_model
+from tiny import batch, compiled_anew, tiny_model
 
 import kernelgraft
 from kernelgraft.patterns import REGISTRY
@@ -78,10 +78,7 @@ def test_the_residual_adds_joined_to_the_norms_give_the_bits_of_the_adds_apart(a
         kernelgraft.optimize(model)
         # compiled here, not loaded from inductor's caches (the tests before compile the same
         # models, and a graph loaded from the cache runs no pass)
-        with (
-            torch._inductor.config.patch(fx_graph_cache=False),
-            torch._functorch.config.patch(enable_autograd_cache=False),
-        ):
+        with compiled_anew():
             got[on] = [_step(model, b, s) for s in (1.0, 0.3)]
         assert not [k for k in model.kernelgraft_report.launched_by if k.startswith("host")]
     L = model.config.num_hidden_layers

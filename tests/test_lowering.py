@@ -694,7 +694,7 @@ def test_a_norm_of_a_broadcast_or_later_sum_is_left_apart():
 
     def weight_made_after(x, w):
         h = x + x
-        y, st = op.fwd(h, w.exp(), eps)  # the weight is made after the add, which the call would move to
+        y, st = op.fwd(h, w.exp(), eps)  # the weight is made after the add, where the fused op would go
         return [y, st, h]
 
     def rounded_otherwise(x, w):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import batch, compare_models, tiny_model
+from tiny import batch, compare_models, compiled_anew, tiny_model
 
 import kernelgraft
 
@@ -272,10 +272,7 @@ def test_every_recomputed_site_is_made_by_its_backward_kernel(monkeypatch):
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
     b = batch(B=2, S=16)
     # compiled here, not loaded from inductor's caches (a cache hit runs no pass)
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    ):
+    with compiled_anew():
         bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
     assert not bad, bad
     L = stock.config.num_hidden_layers
@@ -377,10 +374,7 @@ def test_the_residual_streams_adds_joined_to_the_norms_give_the_same_bits(monkey
             monkeypatch.setattr(residual, name, counted(name) if on else (lambda g: 0))
         torch._dynamo.reset()
         mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
-        with (
-            torch._inductor.config.patch(fx_graph_cache=False),
-            torch._functorch.config.patch(enable_autograd_cache=False),
-        ):
+        with compiled_anew():
             loss = mine(**b).loss
             loss.backward()
         got[on] = (loss.detach(), {n: p.grad.clone() for n, p in mine.named_parameters()})
@@ -394,10 +388,7 @@ def test_the_residual_streams_adds_joined_to_the_norms_give_the_same_bits(monkey
         monkeypatch.setattr(residual, name, real[name])
     torch._dynamo.reset()
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    ):
+    with compiled_anew():
         verdicts = compare_models(mine, stock, [b, batch(seed=2, B=2, S=16)], compiled=False)
     # the one quantity the pass changes (the loss and the rest are its bits without it, above)
     (embedding,) = [v for v in verdicts if "embed_tokens" in str(v)]
@@ -407,7 +398,7 @@ def test_the_residual_streams_adds_joined_to_the_norms_give_the_same_bits(monkey
 @pytest.mark.parametrize("recompute, want", [(False, {"add_into_norms": [4, 0], "accumulate_into_gradients": [0, 0]}), ("separate", {})])
 def test_the_forwards_residual_adds_join_the_norms_whether_or_not_outputs_are_recomputed(recompute, want, monkeypatch):
     """recompute=False: the forward's adds still join the norms' kernels (the backward's have no
-    recomputing call to join); recompute="separate": every kernel call stays apart, no pass runs."""
+    recomputing op to join); recompute="separate": every kernel op stays apart, no pass runs."""
     from kernelgraft.rewriter import residual
 
     stock = tiny_model("llama", torch.bfloat16, layers=2)
@@ -420,10 +411,7 @@ def test_the_forwards_residual_adds_join_the_norms_whether_or_not_outputs_are_re
     torch._dynamo.reset()
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor", recompute=recompute)
     b = batch(B=2, S=16)
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    ):
+    with compiled_anew():
         bad = [str(v) for v in compare_models(mine, stock, b, compiled=False) if not v.ok]
     assert not bad, bad
     assert counts == want, counts

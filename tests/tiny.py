@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -11,6 +12,17 @@ from kernelgraft._dynamo import room_for_recompiles
 from kernelgraft.gradcheck import Float64Everywhere, judge
 
 VOCAB = 128
+
+
+@contextlib.contextmanager
+def compiled_anew():
+    """Inductor compiles every graph inside, instead of loading it from its caches: a graph loaded
+    from a cache runs no post-grad pass, and tests that count what a pass did need it run."""
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        yield
 
 
 def tiny_config(arch: str, layers: int = 2):

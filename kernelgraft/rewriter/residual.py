@@ -9,7 +9,7 @@ backward adds each norm's input gradient to the stream's gradient:
     dx, dw, y = <norm>_bwdo(dy, h, w)       # backward (recompute.py's one pass)
     dr = add(dx, dr_next)
 
-inductor would fuse such an add into a norm it generated itself; a kernelgraft norm is a call it
+inductor would fuse such an add into a norm it generated itself; a kernelgraft norm is an op it
 cannot look into, so each add stays a launch of its own with a read and a write of the rows. Here
 each joins the norm's pass: `<norm>_fwda(r, o, w) -> (y, stats, h)` makes h as it loads the rows and
 stores it for the stream (add_into_norms); `<norm>_bwdoa(dy, h, w, dr_next)` stores dx + dr_next
@@ -50,6 +50,13 @@ def _norm_input(op, args: list, check=accumulating_input) -> torch.Tensor | None
     return check(op.spelling, vals)
 
 
+def _calls(graph: fx.Graph, ops: dict) -> list:
+    """(node, op) for each call in `graph` of an overload in `ops` ({overload: op}), in graph order."""
+    if not ops:
+        return []
+    return [(n, ops[n.target]) for n in graph.nodes if n.op == "call_function" and n.target in ops]
+
+
 def _same_value(n: fx.Node, like: torch.Tensor) -> bool:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     return isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(like.shape) and v.dtype == like.dtype
@@ -61,12 +68,9 @@ def accumulate_into_gradients(graph: fx.Graph) -> int:
     stream's, in a decoder) -> the `_bwdoa` call, which stores dx + r where it stored dx: rounded
     as eager rounds dx, then the sum. One launch and one pass over the rows fewer per norm;
     -> how many."""
-    ops = _accumulating_ops()
-    if not ops:
-        return 0
     done = 0
-    for f in [n for n in graph.nodes if n.op == "call_function" and n.target in ops]:
-        op = ops[f.target]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for f, op in _calls(graph, _accumulating_ops()):
         grad, *args, needs = f.args
         if f.kwargs or not isinstance(needs, (list, tuple)) or not needs or not needs[0]:
             continue
@@ -83,7 +87,6 @@ def accumulate_into_gradients(graph: fx.Graph) -> int:
         x = _norm_input(op, args)
         if x is None or not (_same_value(other, x) and _same_value(u, x)):
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
         if order[other] > order[f]:  # r must exist where f runs
             continue
         with graph.inserting_before(f):
@@ -94,6 +97,7 @@ def accumulate_into_gradients(graph: fx.Graph) -> int:
         graph.erase_node(u)
         graph.erase_node(f)
         done += 1
+        order = {n: i for i, n in enumerate(graph.nodes)}  # with the nodes just added
     return done
 
 
@@ -103,15 +107,12 @@ def _adding_ops() -> dict:
 
 
 def add_into_norms(graph: fx.Graph) -> int:
-    """Each norm call whose first argument is `add(a, b)` of two tensors of its shape and dtype
+    """Each norm op whose first argument is `add(a, b)` of two tensors of its shape and dtype
     (the residual stream plus a sublayer's output) -> the `_fwda` call, which makes and stores the
     sum as it loads the rows; the add's other readers read the stored sum. -> how many."""
-    ops = _adding_ops()
-    if not ops:
-        return 0
     done = 0
-    for f in [n for n in graph.nodes if n.op == "call_function" and n.target in ops]:
-        op = ops[f.target]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for f, op in _calls(graph, _adding_ops()):
         sp = op.spelling
         if f.kwargs:
             continue
@@ -130,8 +131,7 @@ def add_into_norms(graph: fx.Graph) -> int:
         x = _norm_input(op, args, adding_input)
         if x is None or not all(_same_value(t, x) for t in (*u.args, u)):
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        # the call moves up to the add (whose readers may come before it): its other inputs must be made by then
+        # the fused op goes where the add was (its readers may come before the norm): its other inputs must be made by then
         if any(isinstance(a, fx.Node) and order[a] > order[u] for i, a in enumerate(args) if i != first):
             continue
         rest = [a for i, a in enumerate(args) if i != first]
@@ -149,4 +149,5 @@ def add_into_norms(graph: fx.Graph) -> int:
         graph.erase_node(f)
         graph.erase_node(u)
         done += 1
+        order = {n: i for i, n in enumerate(graph.nodes)}  # with the nodes just added
     return done

@@ -71,7 +71,7 @@ def _first_input(sp, args, has) -> torch.Tensor | None:
     cannot specialize the call)."""
     try:
         tensors, lay, spec, _ = _faked(sp, tuple(args), "autograd")
-    except Exception:  # noqa: BLE001 - a call the generator refuses: no such variant
+    except Exception:  # noqa: BLE001 - refused by the generator: no such variant
         return None
     x = tensors[sp.tensor_names[0]]
     return x if has(spec) and tuple(x.shape) == tuple(lay.shape) else None
@@ -168,7 +168,7 @@ def _single(sp, name: str, rounding: str, recompute: bool) -> GraftedOp:
 
 def _fwd_add_op(sp, name: str, rounding: str):
     """kernelgraft::<name>_fwda(a, b, the other args...) -> (out, row stats, a + b): the forward of
-    a call whose first tensor argument is a + b, made in the same pass (launch.forward_add). Not
+    a norm whose first tensor argument is a + b, made in the same pass (launch.forward_add). Not
     called by autograd: the rewriter's pass over the forward graph puts it in place of a norm call
     and the add that makes its input (a decoder's residual stream), where the add is eager's."""
     first = sp.arg_names.index(sp.tensor_names[0])

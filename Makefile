@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # test processes (pytest-xdist): the suite took 25 min in one and 16 in two on a 2-core machine
 TEST_WORKERS ?= 2
 
-.PHONY: demo test gpu-test coverage lint clean
+.PHONY: demo test test-slow gpu-test coverage lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+# what `make test` leaves out: tests that run other Python processes (torchrun, notebooks) or judge
+# a model over many batches; CI runs them after `make test`
+test-slow: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m slow
 
 gpu-test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m gpu $(if $(PART),--part $(PART))

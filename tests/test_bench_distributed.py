@@ -16,6 +16,7 @@ MODES = ("eager", "kernelgraft (eager)")
 SETUPS = ("ddp-1b",)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_measures_every_setup_size_and_mode(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu", "--tiny"]
     cmd += ["--setups", ",".join(SETUPS), "--world-sizes", "1,2", "--modes", ",".join(MODES), "--steps", "2"]
@@ -148,6 +149,7 @@ def test_repeated_runs_take_turns_and_a_row_is_the_median_run(tmp_path, monkeypa
         bd.check(bd.parse(["--repeat", "0", "--device", "cpu", "--tiny"]))
 
 
+@pytest.mark.slow
 def test_turns_run_every_mode_in_one_run_and_pair_their_steps(tmp_path):
     # --turns: one torchrun per (setup, world size) holds both models, wrapped in DDP, and takes turns
     # step by step; each mode still gets its own row, and each row its step time over the reference

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two processes each
+
 WORKER = Path(__file__).parent / "dist_worker.py"
 
 

@@ -101,6 +101,7 @@ def test_hand_written_loop_with_num_items_in_batch():
     assert max_rel_diff(acc, stock_acc) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_trainer_on_two_processes_equals_the_full_batch(tmp_path, how):
     # torchrun, 2 CPU processes over gloo: the Trainer wraps the model in DDP or FSDP2 itself, splits

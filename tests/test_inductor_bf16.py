@@ -16,12 +16,14 @@ batches than the interpreter can run in CI; Gemma-2 is the case here (its GPU ch
 
 import copy
 
+import pytest
 import torch
 from tiny import batch, compare_models, tiny_model
 
 import kernelgraft
 
 
+@pytest.mark.slow
 def test_gemma2_under_inductor_in_bf16_over_32_batches():
     # one layer: every kernel the model has (its four norms and the final one, RoPE, the gated MLP,
     # the softcapped LM head) at about half the interpreter's time of two

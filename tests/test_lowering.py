@@ -153,8 +153,15 @@ def test_each_traced_launch_holds_inductor_to_the_strides_it_was_traced_with():
                 assert isinstance(v, torch.Tensor) and v.stride() == a.meta["val"].stride(), name
             else:
                 assert v == a, name
-        assert {k: v for k, v in kwargs.items() if k != "kwargs"} == {k: v for k, v in n.kwargs.items() if k != "kwargs"}
-    strides = {v.stride() for n in launches for v in n.meta["eager_input_vals"][1]["kwargs"].values() if isinstance(v, torch.Tensor)}
+        assert {k: v for k, v in kwargs.items() if k != "kwargs"} == {
+            k: v for k, v in n.kwargs.items() if k != "kwargs"
+        }
+    strides = {
+        v.stride()
+        for n in launches
+        for v in n.meta["eager_input_vals"][1]["kwargs"].values()
+        if isinstance(v, torch.Tensor)
+    }
     assert qs.stride() in strides  # the slice's own strides, as the launcher saw them
 
 
@@ -367,7 +374,14 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
     from kernelgraft.rewriter.lowering import static_launches
 
     made = []
-    monkeypatch.setattr(th.CachingAutotuner, "precompile", lambda self, *a, **k: made.append(self))
+
+    def precompile(self, compiled_here=False):  # inductor's: compiled in this process or by a worker
+        if compiled_here:
+            self.compile_results = [th.TritonCompileResult(compiled_here, {"c": 1}, {"m": 1}, {"i": 1})]
+        self._make_launchers()
+
+    monkeypatch.setattr(th.CachingAutotuner, "precompile", precompile)
+    monkeypatch.setattr(th.CachingAutotuner, "_make_launchers", lambda self: made.append(self))
     refused = object()
     monkeypatch.setattr(
         th.StaticTritonCompileResult,
@@ -385,12 +399,16 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
 
     mine, other = tuner("ours_fwd", "k1"), tuner("ours_bwd", refused)
     theirs, no = tuner("theirs_fwd", "k2"), tuner("ours_fwd", "k3", th.HeuristicType.POINTWISE)
+    here = tuner("ours_fwd", None)
+    here.compile_results = []  # no worker result: precompile compiles it in this process
     with static_launches():
         for t in (mine, other, theirs, no):
             t.precompile()
-    assert made == [mine, other, theirs, no]  # inductor's own precompile ran for each
-    (r,) = mine.compile_results
-    assert type(r) is th.StaticTritonCompileResult and r.kernel == ("static", "k1") and r.config == {"c": 1}
+        here.precompile(compiled_here="k5")
+    assert made == [mine, other, theirs, no, here]  # inductor's own launchers made for each
+    for t, k in ((mine, "k1"), (here, "k5")):
+        (r,) = t.compile_results
+        assert type(r) is th.StaticTritonCompileResult and r.kernel == ("static", k) and r.config == {"c": 1}
     for t in (other, theirs, no):
         assert type(t.compile_results[0]) is th.TritonCompileResult
     # outside a kernelgraft compile, nothing is swapped
@@ -604,7 +622,9 @@ def test_the_post_grad_pass_keys_inductors_caches_by_the_graphs_recompute_tags()
     assert PostGradPass().uuid() not in keys
 
 
-@pytest.mark.parametrize("name, dtype", [("rms_norm.llama", torch.bfloat16), ("layer_norm.affine", torch.float32)])
+@pytest.mark.parametrize(
+    "name, dtype", [("rms_norm.llama", torch.bfloat16), ("layer_norm.affine", torch.float32)]
+)
 def test_a_norms_input_gradient_added_to_another_is_stored_summed(name, dtype):
     """The backward of a recomputed norm whose input gradient is added to another gradient (the
     residual stream's): residual.accumulate_into_gradients puts the accumulating op in place of
@@ -645,7 +665,11 @@ def test_a_norms_input_gradient_added_to_another_is_stored_summed(name, dtype):
 
 @pytest.mark.parametrize(
     "name, dtype",
-    [("rms_norm.llama", torch.bfloat16), ("rms_norm.gemma", torch.float16), ("layer_norm.affine", torch.float32)],
+    [
+        ("rms_norm.llama", torch.bfloat16),
+        ("rms_norm.gemma", torch.float16),
+        ("layer_norm.affine", torch.float32),
+    ],
 )
 def test_a_norm_of_a_sum_makes_and_stores_the_sum_as_it_loads_the_rows(name, dtype):
     """A norm whose input is an add of two tensors (the residual stream and a sublayer's output):

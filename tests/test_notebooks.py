@@ -250,6 +250,7 @@ def test_there_are_three_notebooks():
     assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_author_a_pattern", "03_audit"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ran", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS], indirect=True)
 def test_notebook_runs_and_says_what_it_claims(ran):
     path, run = ran
@@ -292,6 +293,7 @@ def test_the_comparison_ignores_what_varies_and_nothing_else():
     assert not same_output(normalize(stored_text), normalize(now.replace("(0.47x", "(0.95x")))  # a ratio
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ran", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS], indirect=True)
 def test_stored_outputs_are_current(ran):
     path, run = ran

@@ -201,6 +201,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_eight_processes_on_an_empty_cache_leave_it_consistent(tmp_path):
     from kernelgraft.kernels import cache
 

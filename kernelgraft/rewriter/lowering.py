@@ -294,7 +294,7 @@ def static_launches():
     user-defined kernels, which it compiles in its worker processes under its default of launching
     them through Triton's own launcher (each argument bound in Python on every launch): 308 of the
     135M step's launches (H200 profile). Their compiled results are swapped for static ones in this
-    process, before inductor makes their launchers; the same cubin. Anything unexpected (another
+    process, as inductor makes their launchers; the same cubin. Anything unexpected (another
     torch, a kernel the static launcher cannot take) leaves a result as it is."""
     try:
         from torch._inductor import config as inductor_config
@@ -323,9 +323,12 @@ def static_launches():
         except Exception:  # noqa: BLE001 - not as this torch builds it: Triton's launcher, as before
             return result
 
-    original = tuner.precompile
+    # swapped where the launchers are made from the compiled results: after a worker compiled them
+    # (precompile finds them made) and also where precompile compiles them in this process (a
+    # process whose compile workers are not ready yet: a short script's first compile)
+    original = tuner._make_launchers
 
-    def precompile(self, *args, **kwargs):
+    def make_launchers(self, *args, **kwargs):
         if (
             self.heuristic_type == user
             and self.compile_results
@@ -335,11 +338,11 @@ def static_launches():
             self.compile_results = [as_static(r, self) for r in self.compile_results]
         return original(self, *args, **kwargs)
 
-    tuner.precompile = precompile
+    tuner._make_launchers = make_launchers
     try:
         yield
     finally:
-        tuner.precompile = original
+        tuner._make_launchers = original
 
 
 def memoizing_inner_compile(inner):
@@ -398,7 +401,9 @@ class PostGradPass(CustomGraphPass):
         if self.launch:
             self.launches.update(launch_in_graph(graph))
         elif self.host_because:
-            calls = sum(1 for n in graph.nodes if n.op == "call_function" and traceable_impl(n.target) is not None)
+            calls = sum(
+                1 for n in graph.nodes if n.op == "call_function" and traceable_impl(n.target) is not None
+            )
             if calls:
                 self.launches[f"host: {self.host_because}"] += calls
 
@@ -439,5 +444,7 @@ class PostGradPass(CustomGraphPass):
 def recompute_tags(gm: torch.fx.GraphModule) -> tuple:
     """The recompute tags on `gm`'s nodes (kernelgraft's and the user's checkpointing), in order."""
     return tuple(
-        (n.name, str(n.meta["recompute"]), n.meta.get("ac_graph_id")) for n in gm.graph.nodes if "recompute" in n.meta
+        (n.name, str(n.meta["recompute"]), n.meta.get("ac_graph_id"))
+        for n in gm.graph.nodes
+        if "recompute" in n.meta
     )

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The torch release kernelgraft is tested with on CPU machines; override for another build, e.g.
 #   make test TORCH_SPEC='torch>=2.6'
 TORCH_SPEC ?= torch==2.13.0
-# test processes (pytest-xdist): the suite took 25 min in one and 16 in two on a 2-core machine
+# test processes (pytest-xdist): the default suite takes about 14 min in two on a 2-core machine
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-slow gpu-test coverage lint clean
@@ -23,8 +23,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
-# what `make test` leaves out: tests that run other Python processes (torchrun, notebooks) or judge
-# a model over many batches; CI runs them after `make test`
+# what `make test` leaves out: tests that run other Python processes (torchrun, notebooks, the
+# README's examples) or judge a model over many batches; CI runs them after `make test`
 test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m slow
 

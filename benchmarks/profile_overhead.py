@@ -58,7 +58,7 @@ def main():
 
 
 def _host_ms(fn, calls: int) -> float:
-    """Median host time of fn, ms: each call timed without waiting for the device (a sync between
+    """Median host time of fn, ms: each run timed without waiting for the device (a sync between
     calls, outside the timing, keeps the launch queue from filling)."""
     ts = []
     for _ in range(calls):

@@ -6,10 +6,14 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
               x cast to float32, float32 matmuls), torch.compile of it, kernelgraft's kernels
     accuracy  the error of the output and of the x, A and B gradients against float64 truth, beside
               eager's and torch.compile's, and the accuracy rule's verdict (one shape, 4096 rows)
-    tiles     every kernel's device time for each (rows, columns, warps) tile of 32/64/128 x
-              64/128 x 4/8, next to the table's tile (kernels/lora/kernel.py GPU_TILES)
+    tiles     every kernel's device time for each (rows, columns, warps, stages) tile of
+              32/64/128 x 64/128 x 4/8 x 2/3/4 (Triton's pipelining depth), next to the table's
+              (kernels/lora/kernel.py GPU_TILES and GPU_STAGES)
+    fills     the kernels that sum over a long dim (du over the output width, dA and dB over the
+              rows) at the table's tile, with the programs per SM their splits aim at (GPU_FILL;
+              0: du not split) of 0/1/2/4/8
 
-    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles]
+    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills]
         -> DIR/tune_lora.json, DIR/tune_lora.md
 """
 
@@ -37,9 +41,8 @@ def spelling(x, res, A, B):
     return (res + F.linear(F.linear(x.to(A.dtype), A), B) * SCALE).to(res.dtype)
 
 
-def tensors(rows: int, k: int, n: int, seed: int = 0) -> dict:
+def tensors(rows: int, k: int, n: int, seed: int = 0, dev: str = "cuda") -> dict:
     torch.manual_seed(seed)
-    dev = "cuda"
     return dict(
         x=torch.randn(rows, k, device=dev, dtype=torch.bfloat16),
         res=torch.randn(rows, n, device=dev, dtype=torch.bfloat16),
@@ -102,6 +105,14 @@ def accuracy() -> list[dict]:
     return rows
 
 
+STAGES_DEFAULT = 3  # Triton's num_stages on CUDA where none is given
+
+
+def table_tile(kn: str) -> tuple:
+    """The (rows, columns, warps, stages) a kernel runs with at rank 16 on the GPU today."""
+    return (*K.GPU_TILES[kn], K.GPU_STAGES.get(kn, STAGES_DEFAULT))
+
+
 def tiles() -> dict:
     import triton
 
@@ -109,48 +120,110 @@ def tiles() -> dict:
     for k_in, n in PAIRS:
         t = tensors(T, k_in, n)
         pair = f"{k_in}->{n}"
-        for tile in itertools.product((32, 64, 128), (64, 128), (4, 8)):
+        for tile in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
             for kn, fn in _launches(t, *tile).items():
-                ms = triton.testing.do_bench(fn, warmup=5, rep=15)
+                try:
+                    ms = triton.testing.do_bench(fn, warmup=5, rep=15)
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory): skipped
+                    print(f"{pair} {kn} {tile}: {type(e).__name__}", flush=True)
+                    continue
                 got.setdefault(kn, {}).setdefault(str(tile), {})[pair] = ms
         print(pair, flush=True)
     return got
 
 
-def _launches(t: dict, BT: int, BN: int, warps: int) -> dict:
-    """Each LoRA kernel's launch on t's shapes with one tile (rank 16: BR 16), as a thunk."""
-    dev = torch.device("cuda")
-    mod, name = K.kernels(torch.bfloat16, torch.float32, torch.bfloat16, "cuda")
+def fills() -> dict:
+    import triton
+
+    got: dict = {}
+    for k_in, n in PAIRS:
+        t = tensors(T, k_in, n)
+        pair = f"{k_in}->{n}"
+        for fill in (0, 1, 2, 4, 8):
+            runs = {
+                kn: fn
+                for kn, fn in _launches(t, fills={k: fill for k in K.GPU_FILL}).items()
+                if kn in K.GPU_FILL
+            }
+            for kn, fn in runs.items():
+                if fill == 0 and kn != "grad_u":
+                    continue  # a weight gradient's sum over the rows is always split
+                got.setdefault(kn, {}).setdefault(str(fill), {})[pair] = triton.testing.do_bench(
+                    fn, warmup=5, rep=15
+                )
+        print(pair, flush=True)
+    return got
+
+
+def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) -> dict:
+    """Each LoRA kernel's launch on t's shapes (rank 16: BR 16) with one tile (None: each kernel's
+    table tile) and the splits GPU_FILL (or `fills`) gives, as a thunk: du's split sums added as
+    the backward adds them."""
     x, base, A, B, g = t["x"], t["res"], t["A"], t["B"], t["g"]
+    dev, T = x.device, x.shape[0]  # the rows of t (16384 on the GPU; a few in a CPU test)
+    mod, name = K.kernels(torch.bfloat16, torch.float32, torch.bfloat16, dev.type)
     k_in, n = x.shape[1], base.shape[1]
     out, dx = torch.empty_like(base), torch.empty_like(x)
     u, du = torch.randn(T, R, device=dev), torch.randn(T, R, device=dev)
-    nb, rb = K._splits(T, cdiv(n, BN), BT, dev)
-    na, ra = K._splits(T, cdiv(k_in, BN), BT, dev)
-    pb, pa = torch.empty((nb, n, R), device=dev), torch.empty((na, R, k_in), device=dev)
-    m = dict(BR=16, num_warps=warps, **K._options(A, x))
+    fill = dict(K.GPU_FILL, **(fills or {}))
+
+    def cfg(kn):
+        bt, bn, w, st = table_tile(kn) if BT is None else (BT, BN, warps, stages)
+        return bt, bn, dict(BR=16, num_warps=w, num_stages=st, **K._options(A, x))
 
     def kern(e):
         return getattr(mod, f"{name}_{e}")
 
+    def grad_u():
+        bt, bn, m = cfg("grad_u")
+        ns, cols = K._splits(n, cdiv(T, bt), bn, dev, fill["grad_u"]) if fill["grad_u"] else (1, n)
+        if ns == 1:
+            kern("grad_u")[(cdiv(T, bt), 1)](
+                g, B, du, SCALE, T, n, R, n, R, R, n, BT=bt, BN=bn, SPLIT=False, **m
+            )
+            return
+        part = torch.empty((ns, T, R), device=dev)
+        kern("grad_u")[(cdiv(T, bt), ns)](
+            g, B, part, SCALE, T, n, R, n, R, R, cols, BT=bt, BN=bn, SPLIT=True, **m
+        )
+        part.sum(0)
+
+    def summed(kn, width, launch):
+        bt, bn, m = cfg(kn)
+        ns, rows = K._splits(T, cdiv(width, bn), bt, dev, fill[kn])
+        part = torch.empty((ns, *((width, R) if kn == "grad_b" else (R, width))), device=dev)
+        launch(bt, bn, m, ns, rows, part)
+        if ns > 1:
+            part.sum(0)
+
+    def run(kn, grid, args, cols="BN"):
+        bt, bn, m = cfg(kn)
+        kern(kn)[grid(bt, bn)](*args(bt, bn), BT=bt, **{cols: bn}, **m)
+
     return {
-        "down": lambda: kern("down")[(cdiv(T, BT),)](x, A, u, T, k_in, R, k_in, k_in, R, BT=BT, BK=BN, **m),
-        "up": lambda: kern("up")[(cdiv(T, BT), cdiv(n, BN))](
-            out, base, u, B, SCALE, T, n, R, n, n, R, R, BT=BT, BN=BN, **m
+        "down": lambda: run("down", lambda bt, bn: (cdiv(T, bt),), lambda bt, bn: (x, A, u, T, k_in, R, k_in, k_in, R), cols="BK"),
+        "up": lambda: run(
+            "up", lambda bt, bn: (cdiv(T, bt), cdiv(n, bn)),
+            lambda bt, bn: (out, base, u, B, SCALE, T, n, R, n, n, R, R),
         ),
-        "grad_u": lambda: kern("grad_u")[(cdiv(T, BT),)](
-            g, B, du, SCALE, T, n, R, n, R, R, BT=BT, BN=BN, **m
+        "grad_u": grad_u,
+        "grad_b": lambda: summed(
+            "grad_b", n,
+            lambda bt, bn, m, ns, rows, part: kern("grad_b")[(cdiv(n, bn), ns)](
+                g, u, part, SCALE, T, n, R, n, R, rows, BT=bt, BN=bn, **m
+            ),
         ),
-        "grad_b": lambda: kern("grad_b")[(cdiv(n, BN), nb)](
-            g, u, pb, SCALE, T, n, R, n, R, rb, BT=BT, BN=BN, **m
+        "grad_a": lambda: summed(
+            "grad_a", k_in,
+            lambda bt, bn, m, ns, rows, part: kern("grad_a")[(cdiv(k_in, bn), ns)](
+                du, x, part, T, k_in, R, R, k_in, rows, BT=bt, BK=bn, **m
+            ),
         ),
-        "grad_a": lambda: kern("grad_a")[(cdiv(k_in, BN), na)](
-            du, x, pa, T, k_in, R, R, k_in, ra, BT=BT, BK=BN, **m
+        "grad_x": lambda: run(
+            "grad_x", lambda bt, bn: (cdiv(T, bt), cdiv(k_in, bn)),
+            lambda bt, bn: (dx, du, A, T, k_in, R, k_in, R, k_in), cols="BK",
         ),
-        "grad_x": lambda: kern("grad_x")[(cdiv(T, BT), cdiv(k_in, BN))](
-            dx, du, A, T, k_in, R, k_in, R, k_in, BT=BT, BK=BN, **m
-        ),
-    }
+    }  # fmt: skip
 
 
 def markdown(res: dict) -> str:
@@ -176,12 +249,29 @@ def markdown(res: dict) -> str:
         ]
         lines.append("")
     if "tiles" in res:
-        lines += ["**each kernel summed over the four pairs, us: the table's tile and the fastest**", ""]
+        lines += [
+            "**each kernel summed over the four pairs, us: the table's (rows, columns, warps, stages) and the fastest**",
+            "",
+        ]
         lines += ["| kernel | table's tile | us | fastest | us |", "|---|---|---|---|---|"]
         for kn, by_tile in res["tiles"].items():
-            tot = {tile: sum(v.values()) * 1e3 for tile, v in by_tile.items()}
+            most = max(len(v) for v in by_tile.values())  # a tile that failed on a pair is not a candidate
+            tot = {tile: sum(v.values()) * 1e3 for tile, v in by_tile.items() if len(v) == most}
             best = min(tot, key=tot.get)
-            mine = str(K.GPU_TILES[kn])
+            mine = str(table_tile(kn))
+            at = f"{tot[mine]:.0f}" if mine in tot else "-"
+            lines.append(f"| {kn} | {mine} | {at} | {best} | {tot[best]:.0f} |")
+        lines.append("")
+    if "fills" in res:
+        lines += [
+            "**the split sums summed over the four pairs, us: the table's programs per SM and the fastest**",
+            "",
+        ]
+        lines += ["| kernel | table's fill | us | fastest | us |", "|---|---|---|---|---|"]
+        for kn, by_fill in res["fills"].items():
+            tot = {f: sum(v.values()) * 1e3 for f, v in by_fill.items()}
+            best = min(tot, key=tot.get)
+            mine = str(K.GPU_FILL[kn])
             lines.append(f"| {kn} | {mine} | {tot[mine]:.0f} | {best} | {tot[best]:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -189,7 +279,7 @@ def markdown(res: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
-    ap.add_argument("--parts", default="ops,accuracy,tiles")
+    ap.add_argument("--parts", default="ops,accuracy,tiles,fills")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_lora.py measures the kernels on a GPU: no CUDA device here")
@@ -199,7 +289,7 @@ def main():
         torch=torch.__version__,
     )
     for part in a.parts.split(","):
-        res[part] = {"ops": ops, "accuracy": accuracy, "tiles": tiles}[part]()
+        res[part] = {"ops": ops, "accuracy": accuracy, "tiles": tiles, "fills": fills}[part]()
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "tune_lora.json"), "w") as f:
         json.dump(res, f, indent=1)

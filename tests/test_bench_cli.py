@@ -81,17 +81,40 @@ def test_tune_lora_report_names_the_tables_tile_and_the_fastest():
     sys.path.insert(0, "benchmarks")
     import tune_lora
 
-    table = {k: str(v) for k, v in tune_lora.K.GPU_TILES.items()}
-    tiles = {
-        k: {table[k]: {"2048->512": 2e-3, "8192->2048": 1e-3}, "(128, 64, 8)": {"2048->512": 1e-3}}
+    table = {k: str(tune_lora.table_tile(k)) for k in tune_lora.K.GPU_TILES}
+    tiles = {  # the fastest tile; one faster still where it ran, but it failed on a pair
+        k: {
+            table[k]: {"2048->512": 2e-3, "8192->2048": 1e-3},
+            "(128, 64, 8, 2)": {"2048->512": 0.25e-3, "8192->2048": 0.75e-3},
+            "(32, 64, 4, 4)": {"2048->512": 0.1e-3},
+        }
         for k in table
     }
+    fills = {"grad_u": {"0": {"2048->512": 2e-3}, "4": {"2048->512": 1e-3}}}
     acc = [dict(what="dA", eager=4.7e-7, compile=4.7e-7, kernelgraft=2.7e-7, ok=True)]
     md = tune_lora.markdown(
-        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", accuracy=acc, tiles=tiles)
+        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", accuracy=acc, tiles=tiles, fills=fills)
     )
-    assert f"| down | {table['down']} | 3 | (128, 64, 8) | 1 |" in md
+    assert f"| down | {table['down']} | 3 | (128, 64, 8, 2) | 1 |" in md
+    assert f"| grad_u | {tune_lora.K.GPU_FILL['grad_u']} | 2 | 4 | 1 |" in md
     assert "| dA | 4.700e-07 | 4.700e-07 | 2.700e-07 | ok |" in md
+
+
+def test_tune_lora_launches_every_kernel_with_the_arguments_of_the_backward():
+    """tune_lora.py's launches, run here by the interpreter on a few rows: each kernel with the
+    table's tiles, with another tile and pipelining depth, and du summed in splits of the output
+    width (each launch must take the arguments the kernels' signatures have)."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import tune_lora
+
+    t = tune_lora.tensors(40, 48, 200, dev="cpu")
+    for kw in ({}, dict(BT=32, BN=64, warps=4, stages=2), dict(fills={"grad_u": 2, "grad_b": 4})):
+        runs = tune_lora._launches(t, **kw)
+        assert sorted(runs) == sorted(tune_lora.K.GPU_TILES)
+        for fn in runs.values():
+            fn()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

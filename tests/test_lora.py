@@ -50,9 +50,32 @@ def test_the_op_passes_the_rule_in_every_dtype(sp, xd, ad, od, r):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16)], ids=["bf16-f32", "bf16"])
+def test_du_summed_in_splits_of_the_output_width_passes_the_rule(sp, xd, ad, monkeypatch):
+    """du = gv @ B summed over an output width of 200 in two splits (the interpreter's, as a GPU's
+    with GPU_FILL set for it), their float32 sums added and rounded once: by the rule as the
+    unsplit sum is."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    made = []
+    splits = lk._splits
+
+    def spy(T, blocks, BT, device, fill=None):
+        made.append((T, splits(T, blocks, BT, device, fill)))
+        return made[-1][1]
+
+    monkeypatch.setattr(lk, "_splits", spy)
+    verdicts = check_spelling(sp, _args(70, 96, 200, 8, xd, ad, xd), compile_ref=False)
+    assert (200, (2, 128)) in made  # the output width, in two splits of two column tiles
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", [1, 16, 64, 256])
-@pytest.mark.parametrize("sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"])
+@pytest.mark.parametrize(
+    "sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"]
+)
 def test_the_op_passes_the_rule_on_a_gpu(sp, xd, ad, r):
     """The same kernels compiled for CUDA (tensor-core dots split to stay exact), at a model's widths."""
     args = tuple(
@@ -84,7 +107,6 @@ def test_gradients_the_graph_does_not_need_are_not_made():
     got = torch.autograd.grad(mine, (a, b), g)
     for w, k in zip(want, got):
         torch.testing.assert_close(k, w, rtol=1e-5, atol=1e-6)
-
 
 
 def test_the_base_output_is_not_kept_for_the_backward():
@@ -169,7 +191,9 @@ def test_dora_merged_adapters_and_an_lm_head_in_modules_to_save():
     assert rep.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}, str(rep)
     assert not rep.graph_breaks and not rep.near_misses
     saved = kernelgraft.explain(_lora("llama", torch.bfloat16, modules_to_save=["lm_head"]), **batch())
-    assert saved.counts() == {"lora": 14, "rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}, str(saved)
+    assert saved.counts() == {"lora": 14, "rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}, str(
+        saved
+    )
 
 
 def test_gradient_checkpointing_and_save_pretrained():

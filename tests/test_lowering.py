@@ -503,7 +503,7 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
     cuda = torch.device("cuda")
     blocks, splits = lk._blocks, lk._splits
     monkeypatch.setattr(lk, "_blocks", lambda R, kernel, device: blocks(R, kernel, cuda))
-    monkeypatch.setattr(lk, "_splits", lambda T, n, BT, device: splits(T, n, BT, cuda))
+    monkeypatch.setattr(lk, "_splits", lambda T, n, BT, device, fill=None: splits(T, n, BT, cuda, fill))
     assert lk._splits(600, 1, 64, None)[0] > 1  # the row split is exercised
     out, u = lk.forward(x, res, a, b, 2.0)
     want = [out, *lk.backward(g, x, a, b, u, 2.0, (True, True, True))]

@@ -15,6 +15,7 @@ def test_readme_has_python_blocks():
     assert len(BLOCKS) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
 def test_readme_block_runs(i, tmp_path):
     # in a scratch directory: a block may write files (the audit's HTML page)
@@ -59,6 +60,7 @@ def test_readme_has_cli_lines():
     assert any(ln.startswith("kernelgraft audit") for ln in CLI_LINES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", CLI_LINES)
 def test_readme_cli_line_runs(line, tmp_path):
     """The README's shell examples, as written (`make demo`/`make test` are what CI itself runs).

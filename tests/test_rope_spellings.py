@@ -92,3 +92,61 @@ def test_each_rope_spelling_is_served_by_the_rule(how, dtype):
         )
     ]
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
+
+
+def apply_rotary_pos_emb(q, cos, sin):  # a rotary helper in a served spelling
+    return q * cos + _half(q) * sin
+
+
+def apply_rotary_pos_emb_deinterleaved(q, cos, sin):  # pairs rotated, written out in halves
+    c, s = cos[..., : D // 2], sin[..., : D // 2]
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+
+
+def mix_columns(q, cos, sin):  # the same math under a name that does not say rotary
+    c, s = cos[..., : D // 2], sin[..., : D // 2]
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+
+
+class Attn(nn.Module):
+    def __init__(self, helper):
+        super().__init__()
+        self.helper = helper
+        self.proj = nn.Linear(32, 4 * D, bias=False)
+
+    def forward(self, x, angles):
+        B, S, _ = x.shape
+        q = self.proj(x).view(B, S, 4, D).transpose(1, 2)
+        ang = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        return self.helper(q, ang.cos(), ang.sin()).sum()
+
+
+class Block(nn.Module):
+    def __init__(self, helper):
+        super().__init__()
+        self.attn = Attn(helper)
+
+    def forward(self, x, angles):
+        return self.attn(x, angles)
+
+
+@pytest.mark.parametrize("helper", [apply_rotary_pos_emb, apply_rotary_pos_emb_deinterleaved, mix_columns])
+def test_a_rotary_helper_left_unserved_is_reported_with_what_it_computes(helper):
+    """A rotary helper is a function, not a module: one whose name says rotary and in which no rope
+    site was served, refused or came close is reported under the module that calls it, with the
+    ops it computes; a served one is not reported, nor a function whose name does not say rotary."""
+    torch.manual_seed(0)
+    rep = kernelgraft.explain(Block(helper), torch.randn(2, 6, 32), torch.randn(2, 6, D // 2))
+    rotary = [u for u in rep.unserved if u.kind == "rope"]
+    if helper is apply_rotary_pos_emb:
+        assert rep.counts().get("rope") == 1 and not rotary, str(rep)
+    elif helper is mix_columns:
+        assert not rep.counts().get("rope") and not rotary, str(rep)
+    else:
+        assert not rep.counts().get("rope"), str(rep)
+        (u,) = rotary
+        assert (u.module, u.cls) == ("attn", "apply_rotary_pos_emb_deinterleaved"), str(rep)
+        assert "no rope pattern matched" in u.reason and "pairs" in u.reason and "cat2" in u.reason, u.reason
+        assert str(u).startswith("attn (apply_rotary_pos_emb_deinterleaved, a rotary helper): "), str(u)

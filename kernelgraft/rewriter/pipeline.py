@@ -149,18 +149,40 @@ def _module_kind(name: str) -> str | None:
 
 # the patterns that serve a module of each kind: a norm module whose gated product alone was
 # grafted (gated_mlp inside Mamba-2's gated norm over several groups) still leaves its norm stock
-_KIND_PATTERNS = {"norm": ("rms_norm", "layer_norm"), "mlp": ("gated_mlp",)}
+_KIND_PATTERNS = {"norm": ("rms_norm", "layer_norm"), "mlp": ("gated_mlp",), "rope": ("rope",)}
+
+# a function whose name says it rotates by position (apply_rotary_pos_emb, apply_rotary_emb,
+# apply_rope...): a rotary helper, called inside the attention module, not a module of its own. The
+# module that makes cos and sin is a module (its code runs in `forward`), not such a function.
+_ROTARY_NAME = re.compile(r"rotary|rope", re.IGNORECASE)
+_FRAME = re.compile(r'File "[^"]*", line \d+, in (\w+)')
+
+
+def _rotary_helper(fx) -> str | None:
+    """The outermost function of fx's source stack whose name says it is a rotary helper, or None."""
+    trace = fx.meta.get("stack_trace") if fx is not None else None
+    for fn in _FRAME.findall(trace or ""):
+        if _ROTARY_NAME.search(fn):
+            return fn
+    return None
 
 
 def unserved(g: Graft) -> None:
-    """Norm and MLP modules the graph calls (by their class names) in which no site of their kind
-    was served, refused or came close: reported with the ops they compute (and the sites of other
-    patterns served inside them)."""
+    """Norm and MLP modules the graph calls (by their class names), and rotary helper functions (by
+    their names), in which no site of their kind was served, refused or came close: reported with
+    the ops they compute (and the sites of other patterns served inside them)."""
     records = [(r.module, r.pattern) for r in g.report.sites + g.report.fallbacks] + [
         (m.module, m.pattern) for m in g.report.near_misses
     ]
-    ops: dict = {}  # (path, class name, kind) -> canonical ops computed inside, in graph order
+    ops: dict = {}  # (path, class or function name, kind) -> canonical ops computed inside, in graph order
     modules: dict = {}  # (dynamo's path, class) -> (path, class name, kind), or None: not a norm or MLP
+
+    def computes(key, c) -> None:
+        seen = ops.setdefault(key, [])
+        op = c.op.removeprefix("opaque:")
+        if c.op != "input" and op not in seen:
+            seen.append(op)
+
     for c in g.canonical.nodes:
         stack = c.fx.meta.get("nn_module_stack") if c.fx is not None else None
         for path, cls in (stack or {}).values():
@@ -169,18 +191,22 @@ def unserved(g: Graft) -> None:
                 kind = _module_kind(name)
                 modules[path, cls] = None if kind is None else (readable_path(path), name, kind)
             key = modules[path, cls]
-            if key is None:
-                continue
-            seen = ops.setdefault(key, [])
-            op = c.op.removeprefix("opaque:")
-            if c.op != "input" and op not in seen:
-                seen.append(op)
+            if key is not None:
+                computes(key, c)
+        helper = _rotary_helper(c.fx)
+        if helper is not None:  # under the innermost module that calls it
+            inner = list((stack or {}).values())[-1][0] if stack else ""
+            computes((readable_path(inner), helper, "rope"), c)
     for (path, name, kind), inside in ops.items():
         within = [(m, p) for m, p in records if m == path or m.startswith(path + ".")]
         if any(p in _KIND_PATTERNS[kind] for _, p in within) or not inside:
             continue
         what = ", ".join(inside[:10]) + (", ..." if len(inside) > 10 else "")
-        others = sorted({f"{r.pattern}.{r.spelling}" for r in g.report.sites if (r.module, r.pattern) in within})
+        others = sorted(  # a helper's sites are its calling module's: none are inside it alone
+            {f"{r.pattern}.{r.spelling}" for r in g.report.sites if (r.module, r.pattern) in within}
+            if kind != "rope"
+            else ()
+        )
         served = f" (served inside it: {', '.join(others)})" if others else ""
         why = f"no {kind} pattern matched or came close{served}; it computes {what}"
         g.report.unserved.append(Unserved(path, kind, name, why))
@@ -218,7 +244,15 @@ def regions(g: Graft) -> None:
 
 
 PASSES = (
-    causal_masks, canonicalize_graph, match_and_replace, near_misses, unserved, pair, projections, finish, regions
+    causal_masks,
+    canonicalize_graph,
+    match_and_replace,
+    near_misses,
+    unserved,
+    pair,
+    projections,
+    finish,
+    regions,
 )
 
 

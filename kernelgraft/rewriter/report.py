@@ -102,18 +102,19 @@ class NearMiss:
 
 @dataclass
 class Unserved:
-    """A norm or MLP module the model calls where no site was served, refused or came close: what
-    it computes (its canonical ops), so a user sees what was skipped and a contributor what to
-    write a pattern for."""
+    """A norm or MLP module, or a rotary helper function, the model calls where no site was served,
+    refused or came close: what it computes (its canonical ops), so a user sees what was skipped
+    and a contributor what to write a pattern for."""
 
-    module: str
-    kind: str  # "norm" | "mlp"
-    cls: str  # the module's class name
+    module: str  # the module's path; a rotary helper's: the module that calls it
+    kind: str  # "norm" | "mlp" | "rope"
+    cls: str  # the module's class name; a rotary helper's function name
     reason: str
     graph: object = 0
 
     def __str__(self) -> str:
-        return f"{self.module} ({self.cls}, {'an MLP' if self.kind == 'mlp' else 'a norm'}): {self.reason}"
+        what = {"mlp": "an MLP", "norm": "a norm", "rope": "a rotary helper"}[self.kind]
+        return f"{self.module} ({self.cls}, {what}): {self.reason}"
 
 
 @dataclass
@@ -174,7 +175,14 @@ class RewriteReport:
             self.masks_kept = [r for r in self.masks_kept if not stale(r)]
             self.projections = [r for r in self.projections if not stale(r)]
         key = frame if frame is not None else self.graphs
-        for r in other.sites + other.fallbacks + other.near_misses + other.unserved + other.masks_kept + other.projections:
+        for r in (
+            other.sites
+            + other.fallbacks
+            + other.near_misses
+            + other.unserved
+            + other.masks_kept
+            + other.projections
+        ):
             r.graph = key
         self.add(other)
         self.graphs += other.graphs
@@ -234,7 +242,11 @@ class RewriteReport:
                 f"linear layers reading one input: {len(fused)} of {len(self.projections)} group(s) "
                 "fused into one matmul each"
             )
-            out += [f"  - {r.module} ({', '.join(r.shapes)}): {r.reason}" for r in self.projections if not r.served]
+            out += [
+                f"  - {r.module} ({', '.join(r.shapes)}): {r.reason}"
+                for r in self.projections
+                if not r.served
+            ]
         if self.masks_kept:
             out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
             out += [f"  - {r.module}: {r.reason}" for r in self.masks_kept]

@@ -105,18 +105,24 @@ def _gv(g_ptr, t, n, T, N, sg, s):
 
 
 @triton.jit
-def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu,
-                  BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    # du = R_a(gv @ B), summed over the output width
+def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
+                  BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
+    # du = R_a(gv @ B), summed over the output width; SPLIT: over one split of it (`cols` columns),
+    # its float32 sums stored at du_ptr as part[split, t, r], added and rounded afterwards
     s = tl.full([], s, tl.float32)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     r = tl.arange(0, BR)
+    lo = tl.program_id(1) * cols
     acc = tl.full((BT, BR), 0.0, tl.float32)
-    for n0 in range(0, N, BN):
+    for n0 in range(lo, lo + cols, BN):
         n = n0 + tl.arange(0, BN)
         bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
         acc += tl.dot(_gv(g_ptr, t, n, T, N, sg, s), bt.to(tl.float32), input_precision="{precision}")
-    tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc), mask=(t[:, None] < T) & (r[None, :] < R))
+    m = (t[:, None] < T) & (r[None, :] < R)
+    if SPLIT:
+        tl.store(du_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
+    else:
+        tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc), mask=m)
 
 
 @triton.jit
@@ -208,6 +214,12 @@ GPU_TILES = {
     "grad_x": (32, 128, 4),
 }
 SMALL_TILE = (32, 64, 4)
+# Triton's software pipelining depth per kernel on the GPU (absent: Triton's default)
+GPU_STAGES: dict[str, int] = {}
+# programs per SM that a kernel summing over a long dim aims at, splitting that dim (its splits'
+# float32 sums added afterwards in a fixed order): the weight gradients over the rows, du over the
+# output width (0: not split, one program per row tile summing all of it)
+GPU_FILL = {"grad_u": 0, "grad_b": 2, "grad_a": 2}
 
 
 def _blocks(R: int, kernel: str, device: torch.device) -> tuple[int, int, int, int]:
@@ -217,14 +229,16 @@ def _blocks(R: int, kernel: str, device: torch.device) -> tuple[int, int, int, i
     return BT, BN, BR, warps
 
 
-def _splits(T: int, blocks: int, BT: int, device: torch.device) -> tuple[int, int]:
-    """(splits, rows per split) of the T rows a weight gradient sums over: enough programs (blocks
-    of columns x splits) to fill the GPU about twice, each split at least 4 row tiles. The splits'
-    float32 sums are added in a fixed order afterwards (deterministic). On the CPU two splits, so
-    the interpreter runs the same two-stage sum."""
+def _splits(T: int, blocks: int, BT: int, device: torch.device, fill: int | None = None) -> tuple[int, int]:
+    """(splits, elements per split) of the T elements (rows, or columns for du) a sum runs over, in
+    tiles of BT: enough programs (`blocks` other tiles x splits) to fill the GPU `fill` times
+    (GPU_FILL's weight gradients' by default; 0: one split), each split at least 4 tiles. The
+    splits' float32 sums are added in a fixed order afterwards (deterministic). On the CPU two
+    splits, so the interpreter runs the same two-stage sum."""
     tiles = cdiv(max(T, 1), BT)
+    fill = GPU_FILL["grad_b"] if fill is None else fill
     if device.type == "cuda":
-        want = cdiv(2 * row_tuning.sm_count(device.index), blocks)
+        want = cdiv(fill * row_tuning.sm_count(device.index), blocks)
     else:
         want = 2
     n = max(1, min(want, tiles // 4 if device.type == "cuda" else tiles))
@@ -266,12 +280,14 @@ class _Launches:
         BT, BC, _, _ = _blocks(self.R, kernel, self.dev)
         return BT, BC
 
-    def __call__(self, kernel: str, grid, *args, cols: str = "BN") -> None:
+    def __call__(self, kernel: str, grid, *args, cols: str = "BN", **consts) -> None:
         """`kernel` on `args`; grid(rows per tile, columns per tile) -> its grid; cols: the name of
-        its column block."""
+        its column block; consts: its other compile-time arguments."""
         BT, BC, BR, warps = _blocks(self.R, kernel, self.dev)
+        stages = GPU_STAGES.get(kernel) if self.dev.type == "cuda" else None
+        opts = dict(self.opts, **({} if stages is None else {"num_stages": stages}))
         launcher(getattr(self.mod, f"{self.name}_{kernel}"))[grid(BT, BC)](
-            *args, BT=BT, BR=BR, num_warps=warps, **{cols: BC}, **self.opts
+            *args, BT=BT, BR=BR, num_warps=warps, **{cols: BC}, **consts, **opts
         )
 
     def summed(self, kernel: str, shape: tuple, dtype: torch.dtype, T: int, blocks, args, cols: str = "BN"):
@@ -281,7 +297,7 @@ class _Launches:
         if not T:
             return torch.zeros(shape, dtype=dtype, device=self.dev)
         BT, BC = self.tile(kernel)
-        n, rows = _splits(T, blocks(BC), BT, self.dev)
+        n, rows = _splits(T, blocks(BC), BT, self.dev, GPU_FILL[kernel])
         part = torch.empty((n, *shape), dtype=torch.float32, device=self.dev)
         self(kernel, lambda bt, bc: (blocks(bc), n), *args(part, rows), cols=cols)
         total = part.squeeze(0) if n == 1 else part.sum(0)
@@ -309,6 +325,28 @@ def forward(x, result, A, B, scaling: float):
     return out.view(result.shape), u
 
 
+def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: torch.dtype) -> torch.Tensor:
+    """du = R_a(gv @ B) (T x R, the adapters' dtype): one program per row tile summing the whole
+    output width, or, split (GPU_FILL), each split's float32 sums added in a fixed order and then
+    rounded once."""
+    BT, BN = launch.tile("grad_u")
+    fill = GPU_FILL["grad_u"]
+    n, cols = _splits(N, cdiv(T, BT), BN, launch.dev, fill) if fill or launch.dev.type != "cuda" else (1, N)
+    if n == 1:
+        du = torch.empty((T, R), dtype=dtype, device=launch.dev)
+        launch(
+            "grad_u", lambda bt, bc: (cdiv(T, bt), 1),
+            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), max(N, 1), SPLIT=False,
+        )  # fmt: skip
+        return du
+    part = torch.empty((n, T, R), dtype=torch.float32, device=launch.dev)
+    launch(
+        "grad_u", lambda bt, bc: (cdiv(T, bt), n),
+        g2, Bc, part, s, T, N, R, g2.stride(0), Bc.stride(0), R, cols, SPLIT=True,
+    )  # fmt: skip
+    return part.sum(0).to(dtype)
+
+
 def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     """-> (dx, dA, dB) for the output's gradient g; None where `needs` (x, A, B) says no. The base
     output's gradient is g itself."""
@@ -321,11 +359,7 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     dev = x.device
     dx = dA = dB = du = None
     if (need_x or need_a) and T:
-        du = torch.empty((T, R), dtype=A.dtype, device=dev)
-        launch(
-            "grad_u", lambda bt, bc: (cdiv(T, bt),),
-            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0),
-        )  # fmt: skip
+        du = _grad_u(launch, g2, Bc, s, T, N, R, A.dtype)
     if need_b:
         dB = launch.summed(
             "grad_b", (N, R), B.dtype, T, lambda bc: cdiv(N, bc),

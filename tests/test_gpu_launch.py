@@ -71,7 +71,11 @@ def test_the_residual_adds_joined_to_the_norms_give_the_bits_of_the_adds_apart(a
     for on in (True, False):
         for name, fn in real.items():
             monkeypatch.setattr(
-                residual, name, (lambda g, fn=fn, name=name: counts[name].append(fn(g)) or counts[name][-1]) if on else (lambda g: 0)
+                residual,
+                name,
+                (lambda g, fn=fn, name=name: counts[name].append(fn(g)) or counts[name][-1])
+                if on
+                else (lambda g: 0),
             )
         torch._dynamo.reset()
         model = tiny_model(arch, torch.bfloat16, device="cuda")
@@ -241,30 +245,52 @@ def test_the_traced_launch_runs_no_python_launcher():
     assert calls == []
 
 
-def test_inductor_launches_the_kernels_through_its_static_launcher():
-    """Every kernelgraft kernel inductor launches goes through its static launcher (as its own kernels
-    do), not through Triton's Python-side launcher, whether inductor compiled the graph here or
-    loaded it from its cache of an earlier run."""
-    import gc
+_STATIC_CHECK = """
+import gc, sys
+import torch
+sys.path.insert(0, {tests!r})
+from tiny import batch, tiny_model
+import kernelgraft
+from kernelgraft.kernels.launching import is_kernelgraft_kernel
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    from kernelgraft.kernels.launching import is_kernelgraft_kernel
-
-    model = tiny_model("llama", torch.bfloat16, device="cuda")
-    kernelgraft.optimize(model)
-    _step(model, batch(B=2, S=32, device="cuda"))
-    kinds = {}
-    for o in gc.get_objects():
-        try:
-            if not isinstance(o, CachingAutotuner):
-                continue
-        except ReferenceError:
+model = tiny_model("llama", torch.bfloat16, device="cuda")
+kernelgraft.optimize(model)
+out = model(**batch(B=2, S=32, device="cuda"))
+out.loss.backward()
+torch.cuda.synchronize()
+kinds = {{}}
+for o in gc.get_objects():
+    try:
+        if not isinstance(o, CachingAutotuner):
             continue
-        name = getattr(o.fn, "__name__", None)
-        if is_kernelgraft_kernel(name):
-            kinds.setdefault(name, set()).update(type(r).__name__ for r in o.compile_results)
-    assert kinds and all(k == {"StaticTritonCompileResult"} for k in kinds.values()), kinds
+    except ReferenceError:
+        continue
+    name = getattr(o.fn, "__name__", None)
+    if is_kernelgraft_kernel(name):
+        kinds.setdefault(name, set()).update(type(r).__name__ for r in o.compile_results)
+print("KINDS", sorted((k, sorted(v)) for k, v in kinds.items()))
+"""
+
+
+def test_inductor_launches_the_kernels_through_its_static_launcher(tmp_path):
+    """Every kernelgraft kernel inductor launches goes through its static launcher (as its own kernels
+    do), not through Triton's Python-side launcher: in a fresh process, whose compile workers are
+    not ready for its first compiles (inductor then compiles in the process itself), with inductor's
+    caches empty, and again with them filled by that run (the graphs loaded, not compiled)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _STATIC_CHECK.format(tests=str(Path(__file__).parent))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    for run in ("empty caches", "filled caches"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("KINDS ")][-1]
+        kinds = eval(line[len("KINDS ") :])  # noqa: S307 - the list the script above printed
+        assert kinds and all(k == ["StaticTritonCompileResult"] for _, k in kinds), (run, kinds)
 
 
 @pytest.mark.parametrize("backend", ["inductor", "eager"])

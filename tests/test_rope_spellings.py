@@ -45,6 +45,13 @@ SPELLINGS = {  # how: (rope(q, cos, sin), the spelling that serves it, cos/sin i
         "interleaved_float32",
         True,
     ),
+    "pairs written in halves": (  # DeepSeek-V3's MLA: one angle per pair, the results de-interleaved
+        lambda q, c, s: torch.cat(
+            (q[..., 0::2] * c - q[..., 1::2] * s, q[..., 1::2] * c + q[..., 0::2] * s), -1
+        ),
+        "pairs_in_halves",
+        False,
+    ),
 }
 
 
@@ -54,11 +61,15 @@ class Rotary(nn.Module):
         self.rope, _, self.fp32 = SPELLINGS[how]
         self.proj = nn.Linear(32, 4 * D, bias=False)
         self.pairs = "pairs" in how or "rotated, then" in how
+        self.halves = "halves" in how
 
     def forward(self, x, angles):
         B, S, _ = x.shape
         q = self.proj(x).view(B, S, 4, D).transpose(1, 2)
-        ang = angles.repeat_interleave(2, -1) if self.pairs else angles.repeat(1, 2)
+        if self.halves:
+            ang = angles
+        else:
+            ang = angles.repeat_interleave(2, -1) if self.pairs else angles.repeat(1, 2)
         dt = torch.float32 if self.fp32 else x.dtype
         cos, sin = ang.cos().to(dt)[None, None], ang.sin().to(dt)[None, None]
         return self.rope(q, cos, sin).sin().sum()
@@ -98,16 +109,16 @@ def apply_rotary_pos_emb(q, cos, sin):  # a rotary helper in a served spelling
     return q * cos + _half(q) * sin
 
 
-def apply_rotary_pos_emb_deinterleaved(q, cos, sin):  # pairs rotated, written out in halves
-    c, s = cos[..., : D // 2], sin[..., : D // 2]
-    q1, q2 = q[..., 0::2], q[..., 1::2]
-    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+def apply_rotary_emb(q, cos, sin):  # complex RoPE (Llama 4's spelling): no pattern serves it
+    pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    turn = torch.complex(cos[..., : D // 2].float(), sin[..., : D // 2].float())
+    return torch.view_as_real(pairs * turn).flatten(-2).to(q.dtype)
 
 
 def mix_columns(q, cos, sin):  # the same math under a name that does not say rotary
-    c, s = cos[..., : D // 2], sin[..., : D // 2]
-    q1, q2 = q[..., 0::2], q[..., 1::2]
-    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+    pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    turn = torch.complex(cos[..., : D // 2].float(), sin[..., : D // 2].float())
+    return torch.view_as_real(pairs * turn).flatten(-2).to(q.dtype)
 
 
 class Attn(nn.Module):
@@ -132,7 +143,7 @@ class Block(nn.Module):
         return self.attn(x, angles)
 
 
-@pytest.mark.parametrize("helper", [apply_rotary_pos_emb, apply_rotary_pos_emb_deinterleaved, mix_columns])
+@pytest.mark.parametrize("helper", [apply_rotary_pos_emb, apply_rotary_emb, mix_columns])
 def test_a_rotary_helper_left_unserved_is_reported_with_what_it_computes(helper):
     """A rotary helper is a function, not a module: one whose name says rotary and in which no rope
     site was served, refused or came close is reported under the module that calls it, with the
@@ -147,6 +158,6 @@ def test_a_rotary_helper_left_unserved_is_reported_with_what_it_computes(helper)
     else:
         assert not rep.counts().get("rope"), str(rep)
         (u,) = rotary
-        assert (u.module, u.cls) == ("attn", "apply_rotary_pos_emb_deinterleaved"), str(rep)
-        assert "no rope pattern matched" in u.reason and "pairs" in u.reason and "cat2" in u.reason, u.reason
-        assert str(u).startswith("attn (apply_rotary_pos_emb_deinterleaved, a rotary helper): "), str(u)
+        assert (u.module, u.cls) == ("attn", "apply_rotary_emb"), str(rep)
+        assert "no rope pattern matched" in u.reason and "view_as_complex" in u.reason, u.reason
+        assert str(u).startswith("attn (apply_rotary_emb, a rotary helper): "), str(u)

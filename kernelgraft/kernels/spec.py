@@ -59,6 +59,11 @@ class Spec:
     nodes: list[SNode] = field(default_factory=list)  # topological order, output last
     rounding: str = "autograd"
     rotation: str = "half"  # the permutation `permuted` symbols are read at: "half" or "pairs"
+    # a row written as two halves of the pairs' rotation (halves_of_pairs): the element at column k
+    # of the pairs' order is stored at (k // 2) + (k % 2) * N/2 ("deinterleave"), and these tensor
+    # arguments, half a row wide, are read at k // 2
+    out_map: str = ""
+    half_inputs: frozenset = frozenset()
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
 
@@ -74,6 +79,41 @@ def permuted(sym: sympy.Symbol) -> sympy.Symbol:
     """x -> x read at the rotated column (and back: the half-rotation is an involution)."""
     n = sym.name
     return sympy.Symbol(n[:-3] if n.endswith("__p") else n + "__p")
+
+
+def halves_of_pairs(g) -> tuple[set, set] | None:
+    """A spelling whose output is cat(E0, E1) over the even and odd columns of its inputs
+    (x[..., 0::2], x[..., 1::2]): DeepSeek's MLA rotation, cat(x1*c - x2*s, x2*c + x1*s), which
+    writes the pairs' rotation with its results de-interleaved and its angles half a row wide.
+    -> (the input names read in pairs, the other tensor inputs: half a row wide), or None."""
+    if g.output.op != "cat2":
+        return None
+    pairs = [n for n in g.nodes if n.op == "pairs"]
+    if not pairs:
+        return None
+    read = {n.args[0] for n in pairs}
+    read = {c.args[0] if c.op == "cast" else c for c in read}
+    names = {c.attr("name") for c in read if isinstance(c, CNode) and c.op == "input"}
+    others = {
+        n.attr("name")
+        for n in g.nodes
+        if n.op == "input" and n.attr("kind") != "scalar" and n.attr("name") not in names
+    }
+    return names, others
+
+
+def _odd_rounding(e):
+    """e with each rounding of a negated value written as the negated rounding (round to nearest
+    even is odd: RNE(-a) = -RNE(a)), then expanded: two spellings of one value meet."""
+    from ..ir.sym import RoundBF16, RoundF16
+
+    def negated(f):
+        return isinstance(f, (RoundBF16, RoundF16)) and f.args[0].could_extract_minus_sign()
+
+    before = None
+    while before != e:
+        before, e = e, e.replace(negated, lambda f: -type(f)(-f.args[0]))
+    return sympy.expand(e)
 
 
 def _loaded(c) -> bool:
@@ -118,6 +158,7 @@ def build_spec(
             raise Unsupported(f"{n} is {dt}; kernels serve {', '.join(map(str, SERVED))}")
     val: dict = {}  # CNode -> SNode
     rotation = None
+    halves = halves_of_pairs(g)  # (paired inputs, half-width inputs) or None
     reductions: list[Reduction] = []
     symbols: dict[str, sympy.Symbol] = {}
     nodes: list[SNode] = []
@@ -183,6 +224,34 @@ def build_spec(
             val[n] = SNode(SGN * at, x.dtype, x.level, (x,), None, name=n.name, permuted=True)
             nodes.append(val[n])
             continue
+        if n.op == "pairs" and halves is not None:
+            # computed in the pairs' order: the element at column k holds the odd half's value at
+            # odd k (x[..., 1::2] is the column read there, x[..., 0::2] its partner, sign +1) and
+            # the even half's at even k (checked at the cat below)
+            x = arg(n.args[0])
+            if not _loaded(n.args[0]) or x.level != "elem":
+                raise Unsupported("pairs of a computed value: kernels permute tensors as they load them")
+            rotation = "pairs"
+            if n.attr("part") == 1:
+                val[n] = x
+            else:
+                at = x.value.xreplace({s: permuted(s) for s in x.value.free_symbols if s in symbols.values()})
+                val[n] = SNode(SGN * at, x.dtype, x.level, (x,), None, name=n.name, permuted=True)
+                nodes.append(val[n])
+            continue
+        if n.op == "cat2" and halves is not None and n is g.output:
+            even, odd = arg(n.args[0]), arg(n.args[1])
+            # the even half as written (x[..., 0::2] read where the element is, x[..., 1::2] its
+            # partner) must be the odd half's value with the partner's sign -1: one expression
+            paired = {symbols[f"v_{a}"] for a in halves[0]}
+            swap = {v: permuted(v) for v in paired} | {permuted(v): v for v in paired} | {SGN: 1}
+            if _odd_rounding(even.value.xreplace(swap)) != _odd_rounding(odd.value.xreplace({SGN: -1})):
+                raise Unsupported(
+                    "the row's two halves are not one rotation of its pairs (the even half must be the odd "
+                    "half with the partner column's sign flipped)"
+                )
+            val[n] = odd
+            continue
         prim = PRIMITIVES.get(n.op)
         if prim is not None and prim.kind == "reduction":
             if n.attr("dims") != (-1,) or not n.attr("keepdim"):
@@ -233,4 +302,6 @@ def build_spec(
         nodes,
         rounding,
         rotation or "half",
+        "deinterleave" if halves is not None else "",
+        frozenset(f"v_{a}" for a in halves[1]) if halves is not None else frozenset(),
     )

@@ -2,10 +2,14 @@
 
     q * cos + rotate_half(q) * sin,  rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
 
-or with the pairs of adjacent columns rotated (GPT-J, GLM, Cohere, DeepSeek-V3...), cos and sin
-repeated per pair:
+or with the pairs of adjacent columns rotated (GPT-J, GLM, Cohere...), cos and sin repeated per pair:
 
     q * cos + rotate_pairs(q) * sin,  rotate_pairs(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
+or that rotation written as two halves (DeepSeek-V3's multi-head latent attention and the models
+built on it), the results de-interleaved and cos and sin half a row wide, one angle per pair:
+
+    cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin),  x1, x2 = x[..., 0::2], x[..., 1::2]
 
 cos and sin arrive unsqueezed on the head dim and already cast to the activation dtype (HF computes
 them in float32 and casts), so the products round like the spelling. Either rotation is a permutation
@@ -88,3 +92,27 @@ def rope_rotate_half_float32(x, cos, sin):
 def rope_interleaved_float32(x, cos, sin):
     rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _example_halves(rows, n, dtype, g):
+    """As _example, with cos and sin one angle per pair: half a row wide."""
+    heads, n = 4, n + n % 2
+    S = max(1, rows // heads)
+    q = torch.randn(1, S, heads, n, generator=g).to(dtype).transpose(1, 2).requires_grad_()
+    ang = torch.randn(1, S, n // 2, generator=g)
+    return {"x": q, "cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+
+
+def _halves_check(site) -> str | None:
+    for name in ("cos", "sin"):
+        t = site.tensors.get(name)
+        if t is not None and t.requires_grad:
+            return f"{name} needs a gradient: its kernels read each angle for two columns and make none"
+    return _pairs_check(site)
+
+
+@pattern("rope", spelling="pairs_in_halves", extra_check=_halves_check, example=_example_halves)
+def rope_pairs_in_halves(x, cos, sin):
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -33,14 +33,16 @@ class RowKernel:
 
     @functools.cached_property
     def elementwise(self) -> bool:
-        """No row reduction, no per-column argument, no permutation within the row: the row
-        boundaries mean nothing, and the launcher may re-cut the tensors into any rows."""
+        """No row reduction, no per-column argument, no permutation or column map within the row:
+        the row boundaries mean nothing, and the launcher may re-cut the tensors into any rows."""
         b = self.backward
         needed = emit.needed(self.spec.output, *b.grads.values(), *(e for _, e in b.adjoints))
         return (
             not self.spec.reductions
             and all(v == "elem" for v in self.spec.kinds.values())
             and not any(n.endswith("__p") or n == "sgn" for n in needed)
+            and not self.spec.out_map
+            and not self.spec.half_inputs
         )
 
     def options(self, device: torch.device) -> dict:

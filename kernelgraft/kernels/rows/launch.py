@@ -114,7 +114,7 @@ def forward_group(
     shared = []
     for n, t in groups[0].tensors.items():
         if groups[0].lay.kinds[n] == "col":
-            v = t if t.dim() == 1 else t.reshape(N)  # no view to make (a view costs inductor a call)
+            v = t if t.dim() == 1 else t.reshape(t.shape[-1])  # no view to make (a view costs inductor a call)
             shared += [v, v.stride(0)]
     cfg = config(max(g.lay.M for g in groups), N, dev, sums_columns=False, reduces=bool(k.spec.reductions))
     grid = (sum(cdiv(g.lay.M, cfg["BLOCK_M"]) for g in groups),)
@@ -230,6 +230,9 @@ def backward_group(
     if has_failed(k.spec.name, dev_type(groups)):
         _untraced(k)
         return reference()
+    half = k.spec.half_inputs  # read by two elements each: their kernels make no gradient for them
+    if any(need for nd in needs_per_set for t, need in zip(k.spec.tensors, nd) if t in half):
+        return reference()
     C = flat_cut(k.elementwise, groups, extra=grads) if acc is None else 0  # a norm is never cut
     if C:
         res = backward_group(
@@ -298,7 +301,7 @@ def backward_group(
         for n in names:
             if kinds[n] == "col":
                 t = groups[0].tensors[n]
-                v = t if t.dim() == 1 else t.reshape(N)
+                v = t if t.dim() == 1 else t.reshape(t.shape[-1])
                 shared += [v, v.stride(0)]
         shared += scalars
         for n in names:

@@ -32,7 +32,20 @@ def layout(spelling, tensors: dict[str, torch.Tensor]) -> Layout:
     return _layout(spelling, shapes)  # symbolic sizes (dynamic shapes, at capture): not hashable
 
 
+@functools.cache
+def half_width(spelling) -> frozenset:
+    """The arguments of a row written as two halves of the pairs' rotation that are half a row wide
+    (the angles of DeepSeek's MLA rotation: spec.halves_of_pairs); none for any other spelling."""
+    from ..spec import halves_of_pairs
+
+    halves = halves_of_pairs(spelling.canonical())
+    return frozenset(halves[1]) if halves is not None else frozenset()
+
+
 def _layout(spelling, shapes: tuple) -> Layout:
+    half = half_width(spelling)
+    if half:  # read at column // 2: as wide as the row for the broadcast and the kinds
+        shapes = tuple((n, (*s[:-1], 2 * s[-1]) if n in half and s else s) for n, s in shapes)
     try:
         shape = torch.broadcast_shapes(*(s for _, s in shapes))
     except RuntimeError:

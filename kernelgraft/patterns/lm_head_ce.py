@@ -5,8 +5,9 @@ Spellings, as Hugging Face's `ForCausalLMLoss` and hand-written loops write them
 - the logits upcast with `.float()` (HF), or passed as they are (a plain loop);
 - reduction "mean" (labels counted where not ignore_index), or "sum" divided by
   `num_items_in_batch` (HF with gradient accumulation: a tensor, or a Python number);
-- the logit transform in between: none, Gemma-2/3's softcap `cap * tanh(z / cap)`, Granite's
-  `z / logits_scaling`, Cohere's `z * logit_scale`;
+- the logit transform in between: none, Gemma-2/3's softcap `cap * tanh(z / cap)` (or that softcap
+  computed on the logits upcast first: BEAM, xLSTM), Granite's `z / logits_scaling`, Cohere's
+  `z * logit_scale`;
 - a head with a bias, `linear(h, W, b)` (Phi-1/2, CTRL, the BERT-style decoders' prediction
   heads), with no transform.
 However the logits are taken as rows: 2-D already, `view(-1, V)`, `reshape`, `flatten(0, 1)`
@@ -93,6 +94,21 @@ def softcap_mean(h, weight, target, cap: Scalar, ignore_index: Scalar):
 @pattern("lm_head_ce", spelling="softcap_sum_n", **_LM)
 def softcap_sum_n(h, weight, target, n, cap: Scalar, ignore_index: Scalar):
     z = torch.tanh(F.linear(h, weight) / cap) * cap
+    return _ce(z.float(), target, ignore_index, "sum") / n
+
+
+# --- softcap computed in float32, the logits upcast first (BEAM, xLSTM) ---
+
+
+@pattern("lm_head_ce", spelling="softcap_float_mean", **_LM)
+def softcap_float_mean(h, weight, target, cap: Scalar, ignore_index: Scalar):
+    z = torch.tanh(F.linear(h, weight).float() / cap) * cap
+    return _ce(z.float(), target, ignore_index, "mean")
+
+
+@pattern("lm_head_ce", spelling="softcap_float_sum_n", **_LM)
+def softcap_float_sum_n(h, weight, target, n, cap: Scalar, ignore_index: Scalar):
+    z = torch.tanh(F.linear(h, weight).float() / cap) * cap
     return _ce(z.float(), target, ignore_index, "sum") / n
 
 

@@ -86,27 +86,6 @@ def _bypass_reasons() -> list:
     return reasons
 
 
-def _launchers() -> dict:
-    """kernelgraft kernel name -> the kinds of inductor's compiled results for it (static or Triton's)."""
-    import gc
-
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    from kernelgraft.kernels.launching import is_kernelgraft_kernel
-
-    kinds = {}
-    for o in gc.get_objects():
-        try:
-            if not isinstance(o, CachingAutotuner):
-                continue
-        except ReferenceError:
-            continue
-        name = getattr(o.fn, "__name__", None)
-        if is_kernelgraft_kernel(name):
-            kinds.setdefault(name, set()).update(type(r).__name__ for r in o.compile_results)
-    return kinds
-
-
 def compiled(case: str, calls: int) -> None:
     import os
     import sys
@@ -116,6 +95,7 @@ def compiled(case: str, calls: int) -> None:
     from benchlib import profile_kernels
 
     import kernelgraft
+    from kernelgraft.rewriter.lowering import launcher_kinds
 
     name, fn, _, make, _ = next(c for c in suite.pattern_cases(True) if case in c[0])
     modes = {
@@ -148,7 +128,7 @@ def compiled(case: str, calls: int) -> None:
             both()
         if mode.startswith("kernelgraft"):
             print(
-                f"kernelgraft's kernels by launcher: {_launchers()}; static launch refused: {bypassed or 'never'}"
+                f"kernelgraft's kernels by launcher: {launcher_kinds()}; static launch refused: {bypassed or 'never'}"
             )
         fwd_ms, bwd_ms = [], []
         for _ in range(calls):

@@ -226,6 +226,20 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) ->
     }  # fmt: skip
 
 
+def _fastest(runs: dict, title: str, what: str, table) -> list[str]:
+    """Per kernel, its device time summed over the four pairs with the table's setting and with the
+    fastest (a setting that failed on a pair is not a candidate)."""
+    lines = [f"**each kernel summed over the four pairs, us: {title}**", ""]
+    lines += [f"| kernel | table's {what} | us | fastest | us |", "|---|---|---|---|---|"]
+    for kn, by in runs.items():
+        most = max(len(v) for v in by.values())
+        tot = {k: sum(v.values()) * 1e3 for k, v in by.items() if len(v) == most}
+        best, mine = min(tot, key=tot.get), str(table(kn))
+        at = f"{tot[mine]:.0f}" if mine in tot else "-"
+        lines.append(f"| {kn} | {mine} | {at} | {best} | {tot[best]:.0f} |")
+    return lines + [""]
+
+
 def markdown(res: dict) -> str:
     lines = [f"LoRA kernels, {res['device']}, {res['date']}, torch {res['torch']}, 16384 rows, rank 16", ""]
     if "ops" in res:
@@ -249,30 +263,11 @@ def markdown(res: dict) -> str:
         ]
         lines.append("")
     if "tiles" in res:
-        lines += [
-            "**each kernel summed over the four pairs, us: the table's (rows, columns, warps, stages) and the fastest**",
-            "",
-        ]
-        lines += ["| kernel | table's tile | us | fastest | us |", "|---|---|---|---|---|"]
-        for kn, by_tile in res["tiles"].items():
-            most = max(len(v) for v in by_tile.values())  # a tile that failed on a pair is not a candidate
-            tot = {tile: sum(v.values()) * 1e3 for tile, v in by_tile.items() if len(v) == most}
-            best = min(tot, key=tot.get)
-            mine = str(table_tile(kn))
-            at = f"{tot[mine]:.0f}" if mine in tot else "-"
-            lines.append(f"| {kn} | {mine} | {at} | {best} | {tot[best]:.0f} |")
-        lines.append("")
+        title = "the table's (rows, columns, warps, stages) and the fastest"
+        lines += _fastest(res["tiles"], title, "tile", table_tile)
     if "fills" in res:
-        lines += [
-            "**the split sums summed over the four pairs, us: the table's programs per SM and the fastest**",
-            "",
-        ]
-        lines += ["| kernel | table's fill | us | fastest | us |", "|---|---|---|---|---|"]
-        for kn, by_fill in res["fills"].items():
-            tot = {f: sum(v.values()) * 1e3 for f, v in by_fill.items()}
-            best = min(tot, key=tot.get)
-            mine = str(K.GPU_FILL[kn])
-            lines.append(f"| {kn} | {mine} | {tot[mine]:.0f} | {best} | {tot[best]:.0f} |")
+        title = "the table's programs per SM for the split sums and the fastest"
+        lines += _fastest(res["fills"], title, "fill", lambda kn: K.GPU_FILL[kn])
     return "\n".join(lines) + "\n"
 
 

@@ -246,30 +246,19 @@ def test_the_traced_launch_runs_no_python_launcher():
 
 
 _STATIC_CHECK = """
-import gc, sys
+import sys
 import torch
 sys.path.insert(0, {tests!r})
 from tiny import batch, tiny_model
 import kernelgraft
-from kernelgraft.kernels.launching import is_kernelgraft_kernel
-from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+from kernelgraft.rewriter.lowering import launcher_kinds
 
 model = tiny_model("llama", torch.bfloat16, device="cuda")
 kernelgraft.optimize(model)
 out = model(**batch(B=2, S=32, device="cuda"))
 out.loss.backward()
 torch.cuda.synchronize()
-kinds = {{}}
-for o in gc.get_objects():
-    try:
-        if not isinstance(o, CachingAutotuner):
-            continue
-    except ReferenceError:
-        continue
-    name = getattr(o.fn, "__name__", None)
-    if is_kernelgraft_kernel(name):
-        kinds.setdefault(name, set()).update(type(r).__name__ for r in o.compile_results)
-print("KINDS", sorted((k, sorted(v)) for k, v in kinds.items()))
+print("KINDS", sorted((k, sorted(v)) for k, v in launcher_kinds().items()))
 """
 
 

@@ -371,7 +371,7 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
     from torch._inductor.runtime import triton_heuristics as th
 
     from kernelgraft.kernels import launching
-    from kernelgraft.rewriter.lowering import static_launches
+    from kernelgraft.rewriter.lowering import launcher_kinds, static_launches
 
     made = []
 
@@ -415,6 +415,10 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
     later = tuner("ours_fwd", "k4")
     later.precompile()
     assert type(later.compile_results[0]) is th.TritonCompileResult
+    # what a test or a profile reads back: kernelgraft's kernels only, each with its results' kinds
+    kinds = launcher_kinds()
+    assert kinds["ours_bwd"] == {"TritonCompileResult"} and "theirs_fwd" not in kinds
+    assert kinds["ours_fwd"] == {"StaticTritonCompileResult", "TritonCompileResult"}
 
 
 def test_a_graph_inductor_cannot_compile_with_its_launches_is_compiled_with_host_launches(monkeypatch):

@@ -345,6 +345,32 @@ def static_launches():
         tuner._make_launchers = original
 
 
+def launcher_kinds() -> dict[str, set[str]]:
+    """Each kernelgraft kernel inductor has compiled in this process -> the kinds of its compiled
+    results (`StaticTritonCompileResult`: inductor's static launcher; `TritonCompileResult`:
+    Triton's own, every argument bound in Python on each launch). For tests and profiles."""
+    import gc
+    import warnings
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    kinds: dict[str, set[str]] = {}
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated module proxies
+        warnings.simplefilter("ignore", FutureWarning)
+        tuners = []
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, CachingAutotuner):
+                    tuners.append(o)
+            except ReferenceError:
+                continue
+    for o in tuners:
+        name = getattr(o.fn, "__name__", None)
+        if is_kernelgraft_kernel(name):
+            kinds.setdefault(name, set()).update(type(r).__name__ for r in o.compile_results)
+    return kinds
+
+
 def memoizing_inner_compile(inner):
     """inductor's inner compile (forward and backward graphs alike), under memoized_kernel_analysis
     and static_launches."""

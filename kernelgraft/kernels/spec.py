@@ -14,7 +14,7 @@ import sympy
 import torch
 
 from ..ir import PRIMITIVES, CNode, DtypeOf
-from ..ir.sym import round_to
+from ..ir.sym import RoundBF16, RoundF16, round_to
 from .family import Unsupported
 
 LOW = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -105,8 +105,6 @@ def halves_of_pairs(g) -> tuple[set, set] | None:
 def _odd_rounding(e):
     """e with each rounding of a negated value written as the negated rounding (round to nearest
     even is odd: RNE(-a) = -RNE(a)), then expanded: two spellings of one value meet."""
-    from ..ir.sym import RoundBF16, RoundF16
-
     def negated(f):
         return isinstance(f, (RoundBF16, RoundF16)) and f.args[0].could_extract_minus_sign()
 

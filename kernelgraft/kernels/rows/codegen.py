@@ -73,9 +73,7 @@ def _col_of(spec: Spec, t: str) -> str:
 
 
 def _out_map(spec: Spec, indent: str) -> list[str]:
-    if spec.out_map != "deinterleave":
-        return []
-    return [f"{indent}ocols = cols // 2 + (cols % 2) * (N // 2)"]
+    return [f"{indent}ocols = cols // 2 + (cols % 2) * (N // 2)"] if spec.out_map == "deinterleave" else []
 
 
 def _row_index(indent: str) -> list[str]:
@@ -101,9 +99,7 @@ def _elem_loads(spec: Spec, names: list[str], indent: str, needed: set) -> list[
     out = []
     for t in names:
         out.append(f"{indent}{t}_o = {_offset(t)}")
-        out.append(
-            f"{indent}{t} = tl.load({t}_ptr + {t}_o + {_col_of(spec, t)} * {t}_sc, mask=mask, other=0.0).to(tl.float32)"
-        )
+        out.append(f"{indent}{t} = tl.load({t}_ptr + {t}_o + {_col_of(spec, t)} * {t}_sc, mask=mask, other=0.0).to(tl.float32)")
         if f"{t}__p" in needed:
             out.append(_partner(spec, t, f"{t}_ptr + {t}_o", "mask", "BLOCK_M", indent))
     return out
@@ -120,9 +116,7 @@ def _partner(spec: Spec, t: str, base: str, mask: str, rows: str, indent: str) -
 def _col_loads(spec: Spec, indent: str, needed: set) -> list[str]:
     out = []
     for t in _cols(spec):
-        out.append(
-            f"{indent}{t} = tl.load({t}_ptr + {_col_of(spec, t)} * {t}_sc, mask=cmask, other=0.0).to(tl.float32)"
-        )
+        out.append(f"{indent}{t} = tl.load({t}_ptr + {_col_of(spec, t)} * {t}_sc, mask=cmask, other=0.0).to(tl.float32)")
         if f"{t}__p" in needed:
             out.append(_partner(spec, t, f"{t}_ptr", "cmask", "1", indent))
     return out
@@ -153,9 +147,7 @@ def _fwd_group_args(spec: Spec, add: bool = False) -> list[str]:
     """add: the variant whose first argument is made as the sum of two tensors `a` and `b`, and
     stored (at the first argument's pointer) as well as normed (adds_input)."""
     a = _strided("a") + _strided("b") if add else []
-    return (
-        a + [x for t in _elems(spec) for x in _strided(t)] + _strided("out") + ["stats_ptr", "M", "D1", "D2"]
-    )
+    return a + [x for t in _elems(spec) for x in _strided(t)] + _strided("out") + ["stats_ptr", "M", "D1", "D2"]
 
 
 def adds_input(spec: Spec) -> bool:
@@ -175,9 +167,7 @@ def _added_input(spec: Spec, indent: str) -> list[str]:
     x = spec.tensors[0]
     L = [f"{indent}{x}_o = {_offset(x)}"]
     for t in ("a", "b"):
-        L.append(
-            f"{indent}{t}_in_ = tl.load({t}_ptr + {_offset(t)} + cols * {t}_sc, mask=mask, other=0.0).to(tl.float32)"
-        )
+        L.append(f"{indent}{t}_in_ = tl.load({t}_ptr + {_offset(t)} + cols * {t}_sc, mask=mask, other=0.0).to(tl.float32)")
     total = round_to(sympy.Symbol("a_in_") + sympy.Symbol("b_in_"), LOW.get(spec.dtypes[x], "float32"))
     lines, (e,) = emit.cse_lines([total], "xa", indent)
     L += lines
@@ -196,8 +186,7 @@ def _fwd_block(spec: Spec, needed: set, add: bool = False) -> list[str]:
     )
     L = ["@triton.jit", f"def {spec.name}_{'fwda' if add else 'fwd'}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
-    L += _rotation(IND, needed, spec.rotation)
-    L += _out_map(spec, IND)
+    L += _rotation(IND, needed, spec.rotation) + _out_map(spec, IND)
     L += _row_index(IND)
     elems = _elems(spec)
     if add:
@@ -298,9 +287,7 @@ def _output_lines(spec: Spec, indent: str, wide: bool) -> list[str]:
     # rounded here, not by the store: Triton's interpreter truncates an implicit fp32 -> bf16 store
     lines, (e,) = emit.cse_lines([round_to(spec.output, LOW.get(spec.out_dtype, "float32"))], "t", indent)
     L += lines
-    L.append(
-        f"{indent}tl.store(out_ptr + {_offset('out')} + {_col_of(spec, 'out')} * out_sc, {_stored(e, wide)}, mask=mask)"
-    )
+    L.append(f"{indent}tl.store(out_ptr + {_offset('out')} + {_col_of(spec, 'out')} * out_sc, {_stored(e, wide)}, mask=mask)")
     return L
 
 
@@ -341,9 +328,7 @@ def backward_kind(with_out: bool, acc: bool) -> str:
     return ("bwdo" if with_out else "bwd") + ("a" if acc else "")
 
 
-def _bwd_block(
-    spec: Spec, bwd: Backward, needed: set, with_out: bool = False, acc: bool = False
-) -> list[str]:
+def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False, acc: bool = False) -> list[str]:
     K = max(len(spec.reductions), 1)
     cv = _col_vars(spec, needed)
     needs = [f"NEED_{t}: tl.constexpr" for t in spec.tensors]
@@ -356,13 +341,10 @@ def _bwd_block(
     )
     L = ["@triton.jit", f"def {spec.name}_{backward_kind(with_out, acc)}_rows({sig}):"]
     L += [f"{IND}cols = tl.arange(0, BLOCK_N)[None, :]", f"{IND}cmask = cols < N"]
-    L += _rotation(IND, needed, spec.rotation)
-    L += _out_map(spec, IND)
+    L += _rotation(IND, needed, spec.rotation) + _out_map(spec, IND)
     L += _row_index(IND)
     L.append(f"{IND}g_o = {_offset('g')}")
-    L.append(
-        f"{IND}g = tl.load(g_ptr + g_o + {_col_of(spec, 'g')} * g_sc, mask=mask, other=0.0).to(tl.float32)"
-    )
+    L.append(f"{IND}g = tl.load(g_ptr + g_o + {_col_of(spec, 'g')} * g_sc, mask=mask, other=0.0).to(tl.float32)")
     if "g__p" in needed:
         L.append(_partner(spec, "g", "g_ptr + g_o", "mask", "BLOCK_M", IND))
     L += _elem_loads(spec, _elems(spec), IND, needed)
@@ -396,27 +378,20 @@ def _bwd_block(
     L += lines
     partials = []
     for i, (t, e) in enumerate(zip(spec.tensors, exprs)):
-        if t in spec.half_inputs:  # read at cols // 2 by two elements: not made (the launcher refuses it)
-            if spec.kinds[t] == "col":
-                L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)")
-                partials.append(f"p_{t}")
+        if t in spec.half_inputs:  # read at cols // 2 by two elements: no gradient made (the launcher refuses it)
+            L += [f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)"] if spec.kinds[t] == "col" else []
+            partials += [f"p_{t}"] if spec.kinds[t] == "col" else []
             continue
         if spec.kinds[t] == "elem":
             L.append(f"{IND}if NEED_{t}:")
             stored = _stored(e, wide)
             if acc and i == 0:  # the gradient as stored, plus `a`, rounded again: eager's add after it
                 L.append(f"{IND2}dxr_ = {stored}")
-                L.append(
-                    f"{IND2}a_in_ = tl.load(a_ptr + {_offset('a')} + cols * a_sc, mask=mask, other=0.0).to(tl.float32)"
-                )
-                total = round_to(
-                    sympy.Symbol("dxr_") + sympy.Symbol("a_in_"), LOW.get(spec.dtypes[t], "float32")
-                )
+                L.append(f"{IND2}a_in_ = tl.load(a_ptr + {_offset('a')} + cols * a_sc, mask=mask, other=0.0).to(tl.float32)")
+                total = round_to(sympy.Symbol("dxr_") + sympy.Symbol("a_in_"), LOW.get(spec.dtypes[t], "float32"))
                 lines, (stored,) = emit.cse_lines([total], "ua", IND2)
                 L += lines
-            L.append(
-                f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {stored}, mask=mask)"
-            )
+            L.append(f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {stored}, mask=mask)")
         else:  # this block's column sums; the entry kernel accumulates them over its blocks
             L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)")
             L.append(f"{IND}if NEED_{t}:")

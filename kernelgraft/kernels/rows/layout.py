@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from ..spec import halves_of_pairs
 from .tuning import flat_rows
 
 
@@ -36,8 +37,6 @@ def layout(spelling, tensors: dict[str, torch.Tensor]) -> Layout:
 def half_width(spelling) -> frozenset:
     """The arguments of a row written as two halves of the pairs' rotation that are half a row wide
     (the angles of DeepSeek's MLA rotation: spec.halves_of_pairs); none for any other spelling."""
-    from ..spec import halves_of_pairs
-
     halves = halves_of_pairs(spelling.canonical())
     return frozenset(halves[1]) if halves is not None else frozenset()
 

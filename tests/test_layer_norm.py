@@ -138,3 +138,45 @@ def test_a_norm_nothing_resembles_is_reported_with_what_it_computes():
     assert (u.module, u.cls, u.kind) == ("norm", "MaxNorm", "norm")
     assert "no norm pattern matched or came close; it computes" in u.reason and "amax" in u.reason
     assert "not served, nothing close (1):" in str(rep) and "norm (MaxNorm, a norm)" in str(rep)
+
+
+class HeadNorm(torch.nn.Module):
+    """A norm over each head's columns written with var (xLSTM's multi-head norm), the weight over
+    all heads applied after the heads are joined."""
+
+    def __init__(self, heads=4, dim=8, unbiased=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(heads * dim))
+        self.unbiased = unbiased
+
+    def forward(self, x):  # x: (batch, positions, heads, dim)
+        h = x.float()
+        centered = h - h.mean(dim=-1, keepdim=True)
+        y = centered * torch.rsqrt(h.var(dim=-1, keepdim=True, unbiased=self.unbiased) + 1e-6)
+        return (y.to(x.dtype).reshape(*x.shape[:2], -1) * self.weight).sin().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_norm_written_with_var_is_served_by_the_rule(dtype):
+    """`x.var(unbiased=False)` of a float32 x reads as the mean of the squared deviations, and its
+    deviations as the ones the model computed itself: the norm is LayerNorm with neither weight nor
+    bias, served and by the rule. An unbiased var is another norm: left as it is."""
+    from kernelgraft.gradcheck import judge
+
+    torch.manual_seed(0)
+    stock = HeadNorm().to(dtype)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    truth = copy.deepcopy(stock).double()
+    x = torch.randn(2, 6, 4, 8).to(dtype)
+    runs = {}
+    for name, m in (("truth", truth), ("eager", stock), ("kg", mine)):
+        xin = (x.double() if name == "truth" else x).clone().requires_grad_()
+        loss = m(xin)
+        loss.backward()
+        runs[name] = (loss.detach(), xin.grad, m.weight.grad)
+    assert [(s.pattern, s.spelling) for s in mine.kernelgraft_report.sites] == [("layer_norm", "plain")]
+    for i, what in enumerate(("loss", "grad x", "grad weight")):
+        v = judge(what, runs["truth"][i], runs["kg"][i], runs["eager"][i])
+        assert v.ok, str(v)
+    rep = kernelgraft.explain(HeadNorm(unbiased=True), torch.randn(2, 6, 4, 8))
+    assert "layer_norm" not in rep.counts(), str(rep)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .decompose import LAYER_NORMS, RMS_NORMS, layer_norm, rms_norm
+from .decompose import LAYER_NORMS, RMS_NORMS, layer_norm, rms_norm, variance
 from .graph import CGraph, CNode, DtypeOf
 from .indexing import VIEWS, half_of, pairs_of, row_index, units_read_by_rows, view_kind
 from .primitives import PRIMITIVES
@@ -171,6 +171,8 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         return layer_norm(b, n, args, kwargs)
     if target in RMS_NORMS:
         return rms_norm(b, n, args, kwargs)
+    if target is torch.var or (n.op == "call_method" and target == "var"):
+        return variance(b, n, args, kwargs)
     if target in VIEWS and args and isinstance(args[0], CNode):
         kind = view_kind(n, args, kwargs)
         if kind == "identity":

@@ -126,6 +126,25 @@ class _Decomposed:
         return self._node(op, (a, c), (), value, make)
 
 
+def variance(b, n: torch.fx.Node, args, kwargs) -> CNode:
+    """`x.var(dim=-1, keepdim=True, unbiased=False)` (or `correction=0`) of a float32 x -> the mean
+    of the squared deviations over the row, as a LayerNorm written out computes it (xLSTM's
+    multi-head norm calls var). A bf16/fp16 x stays opaque (var rounds once, its primitives would
+    round at each step), as does an unbiased variance or any other dim."""
+    names = ("input", "dim", "unbiased", "keepdim")
+    bound = dict(zip(names, args)) if not (len(args) > 2 and not isinstance(args[2], bool)) else {}
+    bound.update(kwargs)
+    x, dim = bound.get("input", args[0] if args else None), bound.get("dim")
+    meta = x.meta if isinstance(x, CNode) else None
+    biased = bound.get("unbiased") is False or bound.get("correction") == 0
+    last = isinstance(meta, torch.Tensor) and dim in (-1, (-1,), [-1], meta.dim() - 1, (meta.dim() - 1,))
+    if not (last and biased and bound.get("keepdim") and meta.dtype == torch.float32):
+        return b.new("opaque:var", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    d = _Decomposed(b, meta)
+    deviation = d.unary("square", d.binary("sub", x, d.row_mean(x)))
+    return b.new("mean", (deviation,), (("dims", (-1,)), ("keepdim", True)), fx=n)
+
+
 def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
     """F.rms_norm (nn.RMSNorm) without a weight, over the last dim -> its primitives: x read in
     float32, x * rsqrt(mean(x^2) + eps), one rounding to x's dtype (eps None: the epsilon of the

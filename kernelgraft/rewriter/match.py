@@ -53,15 +53,17 @@ class _State:
 
 def twins(a, b) -> list | None:
     """The nodes of b's computation that repeat a's (the same op, options and arguments, down to
-    shared nodes): a model that writes `h - mean` twice computes one value twice. None where the
-    two differ. Opaque ops and inputs are never twins (an opaque op may not be pure)."""
+    shared nodes): a model that writes `h - mean` twice computes one value twice, or writes it once
+    and again inside a composite it calls (xLSTM's `x - x.mean()` beside `x.var()`, whose primitives
+    no fx node computes). None where the two differ. Opaque ops and inputs are never twins (an
+    opaque op may not be pure)."""
     if a is b:
         return []
     if not (isinstance(a, CNode) and isinstance(b, CNode)):  # numbers, dtypes
         return [] if type(a) is type(b) and a == b else None
     if a.op != b.op or a.attrs != b.attrs or len(a.args) != len(b.args):
         return None
-    if a.op == "input" or a.op.startswith("opaque") or a.fx is None or b.fx is None:
+    if a.op == "input" or a.op.startswith("opaque"):
         return None
     out = [b]
     for x, y in zip(a.args, b.args):

@@ -153,6 +153,16 @@ def _py_files(root: str) -> set:
     return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")}
 
 
+_GRAPH_RECORD = re.compile(r"^## Call\s+CompiledFxGraph\s+(\w+) ##$")
+
+
+def event_name(key: str) -> str:
+    """A profiler record's name as the tables print it: inductor's record of running one compiled
+    graph (its key between "## Call" and "##") as `compiled graph <key>`."""
+    m = _GRAPH_RECORD.match(key)
+    return f"compiled graph {m.group(1)}" if m else key
+
+
 def host_by_op(prof, steps: int, top: int = 30) -> list[dict]:
     """torch.profiler's CPU events -> the ops and kernel launches that took the most host time, per
     step: [{name, calls, self_us (per step), us_per_call}], most first. Self time: the event's own
@@ -164,7 +174,7 @@ def host_by_op(prof, steps: int, top: int = 30) -> list[dict]:
         calls = e.count / steps
         rows.append(
             dict(
-                name=e.key[:90],
+                name=event_name(e.key)[:90],
                 calls=calls,
                 self_us=e.self_cpu_time_total / steps,
                 us_per_call=e.self_cpu_time_total / max(e.count, 1),

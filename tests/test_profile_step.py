@@ -32,6 +32,14 @@ def test_host_by_op_counts_calls_per_step_and_splits_their_time():
     assert list(rows.values()) == sorted(rows.values(), key=lambda r: -r["self_us"])
 
 
+def test_inductors_graph_records_are_named_as_compiled_graphs():
+    from profile_step import event_name
+
+    record = " ".join(("## Call", "CompiledFxGraph", "f67dvio3umky", "##"))  # as torch.profiler names it
+    assert event_name(record) == "compiled graph f67dvio3umky"
+    assert event_name("aten::mm") == "aten::mm"
+
+
 def test_cprofile_top_names_functions_with_their_calls():
     a, b = torch.randn(32, 32), torch.randn(32, 32) / 8
     pr = cProfile.Profile()

@@ -51,7 +51,7 @@ def _norm_input(op, args: list, check=accumulating_input) -> torch.Tensor | None
 
 
 def _calls(graph: fx.Graph, ops: dict) -> list:
-    """(node, op) for each call in `graph` of an overload in `ops` ({overload: op}), in graph order."""
+    """(node, op) for each node of `graph` that runs an overload in `ops` ({overload: op}), in graph order."""
     if not ops:
         return []
     return [(n, ops[n.target]) for n in graph.nodes if n.op == "call_function" and n.target in ops]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .complex import lower_complex
 from .decompose import LAYER_NORMS, RMS_NORMS, layer_norm, rms_norm, variance
 from .graph import CGraph, CNode, DtypeOf
 from .indexing import VIEWS, half_of, pairs_of, row_index, units_read_by_rows, view_kind
@@ -125,6 +126,9 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         and args[1] == 2
     ):
         return b.new("half_dim", (args[0].args[0],), fx=n)
+    cplx = lower_complex(b, n, target, args)  # view_as_complex(pairs of x) * f, back to real
+    if cplx is not None:
+        return cplx
     if target is torch.stack and len(args[0] if args else ()) == 2:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         out = n.meta.get("example_value")

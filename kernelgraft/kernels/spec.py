@@ -81,12 +81,23 @@ def permuted(sym: sympy.Symbol) -> sympy.Symbol:
     return sympy.Symbol(n[:-3] if n.endswith("__p") else n + "__p")
 
 
+def paired_output(g):
+    """The node that writes a spelling's row as the pairs' rotation (see halves_of_pairs): its
+    output, or the argument of the cast that ends it; None if that is no cat2 or interleave2."""
+    out = g.output
+    if out.op == "cast" and isinstance(out.args[0], CNode):
+        out = out.args[0]
+    return out if out.op in ("cat2", "interleave2") else None
+
+
 def halves_of_pairs(g) -> tuple[set, set] | None:
-    """A spelling whose output is cat(E0, E1) over the even and odd columns of its inputs
-    (x[..., 0::2], x[..., 1::2]): DeepSeek's MLA rotation, cat(x1*c - x2*s, x2*c + x1*s), which
-    writes the pairs' rotation with its results de-interleaved and its angles half a row wide.
-    -> (the input names read in pairs, the other tensor inputs: half a row wide), or None."""
-    if g.output.op != "cat2":
+    """A spelling whose output is cat(E0, E1) or interleave2(E0, E1) (maybe cast) over the even and
+    odd columns of its inputs (x[..., 0::2], x[..., 1::2]) with angles half a row wide: DeepSeek's
+    MLA rotation, cat(x1*c - x2*s, x2*c + x1*s), which writes the pairs' rotation with its results
+    de-interleaved, or the complex product of Llama 4 and DeepSeek-V2 (ir/complex.py), which
+    writes them in place. -> (the input names read in pairs, the other tensor inputs: half a row
+    wide), or None."""
+    if paired_output(g) is None:
         return None
     pairs = [n for n in g.nodes if n.op == "pairs"]
     if not pairs:
@@ -237,7 +248,7 @@ def build_spec(
                 val[n] = SNode(SGN * at, x.dtype, x.level, (x,), None, name=n.name, permuted=True)
                 nodes.append(val[n])
             continue
-        if n.op == "cat2" and halves is not None and n is g.output:
+        if halves is not None and n is paired_output(g):
             even, odd = arg(n.args[0]), arg(n.args[1])
             # the even half as written (x[..., 0::2] read where the element is, x[..., 1::2] its
             # partner) must be the odd half's value with the partner's sign -1: one expression
@@ -300,6 +311,6 @@ def build_spec(
         nodes,
         rounding,
         rotation or "half",
-        "deinterleave" if halves is not None else "",
+        "deinterleave" if halves is not None and paired_output(g).op == "cat2" else "",
         frozenset(f"v_{a}" for a in halves[1]) if halves is not None else frozenset(),
     )

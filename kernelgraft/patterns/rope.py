@@ -116,3 +116,24 @@ def rope_pairs_in_halves(x, cos, sin):
     x1 = x[..., 0::2]
     x2 = x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _example_complex(rows, n, dtype, g):
+    """Llama 4's layout: q (1, S, heads, n) as computed, cos and sin the parts of a float32 complex
+    angle (1, S, 1, n / 2): views of its storage, every other float."""
+    heads, n = 4, n + n % 2
+    S = max(1, rows // heads)
+    q = torch.randn(1, S, heads, n, generator=g).to(dtype).requires_grad_()
+    ang = torch.randn(1, S, 1, n // 2, generator=g)
+    f = torch.polar(torch.ones_like(ang), ang)
+    return {"x": q, "cos": torch.real(f), "sin": torch.imag(f)}
+
+
+@pattern("rope", spelling="complex", extra_check=_halves_check, example=_example_complex)
+def rope_complex(x, cos, sin):
+    # view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * (cos + i sin)).flatten(-2):
+    # canonicalization reads the complex product as these real ops (ir/complex.py)
+    xf = x.float()
+    a = xf[..., 0::2]
+    b = xf[..., 1::2]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)

@@ -52,6 +52,15 @@ SPELLINGS = {  # how: (rope(q, cos, sin), the spelling that serves it, cos/sin i
         "pairs_in_halves",
         False,
     ),
+    "complex product": (  # Llama 4, DeepSeek-V2: the pairs as complex numbers times cos + i sin
+        lambda q, c, s: torch.view_as_real(
+            torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2)) * torch.complex(c, s)
+        )
+        .flatten(-2)
+        .to(q.dtype),
+        "complex",
+        True,
+    ),
 }
 
 
@@ -61,7 +70,7 @@ class Rotary(nn.Module):
         self.rope, _, self.fp32 = SPELLINGS[how]
         self.proj = nn.Linear(32, 4 * D, bias=False)
         self.pairs = "pairs" in how or "rotated, then" in how
-        self.halves = "halves" in how
+        self.halves = "halves" in how or "complex" in how
 
     def forward(self, x, angles):
         B, S, _ = x.shape
@@ -109,16 +118,12 @@ def apply_rotary_pos_emb(q, cos, sin):  # a rotary helper in a served spelling
     return q * cos + _half(q) * sin
 
 
-def apply_rotary_emb(q, cos, sin):  # complex RoPE (Llama 4's spelling): no pattern serves it
-    pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
-    turn = torch.complex(cos[..., : D // 2].float(), sin[..., : D // 2].float())
-    return torch.view_as_real(pairs * turn).flatten(-2).to(q.dtype)
+def apply_rotary_emb(q, cos, sin):  # a running sum, not a rotation: nothing resembles it
+    return torch.cumsum(q, -1) * cos
 
 
 def mix_columns(q, cos, sin):  # the same math under a name that does not say rotary
-    pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
-    turn = torch.complex(cos[..., : D // 2].float(), sin[..., : D // 2].float())
-    return torch.view_as_real(pairs * turn).flatten(-2).to(q.dtype)
+    return torch.cumsum(q, -1) * cos
 
 
 class Attn(nn.Module):
@@ -159,5 +164,5 @@ def test_a_rotary_helper_left_unserved_is_reported_with_what_it_computes(helper)
         assert not rep.counts().get("rope"), str(rep)
         (u,) = rotary
         assert (u.module, u.cls) == ("attn", "apply_rotary_emb"), str(rep)
-        assert "no rope pattern matched" in u.reason and "view_as_complex" in u.reason, u.reason
+        assert "no rope pattern matched" in u.reason and "cumsum" in u.reason, u.reason
         assert str(u).startswith("attn (apply_rotary_emb, a rotary helper): "), str(u)

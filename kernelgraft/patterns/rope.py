@@ -11,6 +11,10 @@ built on it), the results de-interleaved and cos and sin half a row wide, one an
 
     cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin),  x1, x2 = x[..., 0::2], x[..., 1::2]
 
+or as a complex product (Llama 4, DeepSeek-V2), which canonicalization reads as real ops with the
+results in place: view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * f).flatten(-2), f the
+float32 complex angles, cos and sin its parts (see the `complex` spelling)
+
 cos and sin arrive unsqueezed on the head dim and already cast to the activation dtype (HF computes
 them in float32 and casts), so the products round like the spelling. Either rotation is a permutation
 within the row with a sign; the generator reads the input at the rotated column and derives the

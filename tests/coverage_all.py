@@ -491,7 +491,8 @@ def _verdicts(build, dtype, seeds):
             warnings.simplefilter("ignore")
             stock = build(dtype)
             grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
-            return compare_models(grafted, stock, [batch(seed=s) for s in seeds], compiled=False)
+            verdicts = compare_models(grafted, stock, [batch(seed=s) for s in seeds], compiled=False)
+            return verdicts, grafted.kernelgraft_report
     finally:
         stock = grafted = None
         _release()
@@ -503,12 +504,13 @@ def gradient_check(build) -> tuple[str, str]:
     compile), in float32 on one batch and in bfloat16 over two (test_loss_and_gradients_agree), or
     where one fails, over RECHECK batches; else ("failed", how many failed and the first failing
     verdict) or ("did not run", why)."""
+    counts = None
     for dtype, seeds in CHECKS:
         name = str(dtype).removeprefix("torch.")
         try:
-            verdicts = _verdicts(build, dtype, seeds)
+            verdicts, rep = _verdicts(build, dtype, seeds)
             if any(not v.ok for v in verdicts):
-                verdicts = _verdicts(build, dtype, tuple(range(1, RECHECK + 1)))
+                verdicts, rep = _verdicts(build, dtype, tuple(range(1, RECHECK + 1)))
                 name += f" over {RECHECK} batches"
         except TimeoutError:
             raise
@@ -520,6 +522,12 @@ def gradient_check(build) -> tuple[str, str]:
             # gradient: softmax ignores a shift that is the same for every key)
             zero = "; its truth is ~0 (eager's error > 1)" if bad[0].eager > 1 else ""
             return "failed", f"{name}: {len(bad)} of {len(verdicts)} fail; {bad[0]}{zero}"
+        # a site served in float32 and refused in bfloat16 (a spelling served in one dtype) is not
+        # served in both: the model is not fully served
+        if counts is not None and rep.counts() != counts:
+            why = rep.fallbacks[0].reason if rep.fallbacks else "fewer sites"
+            return "failed", f"{name}: sites {rep.counts()} against float32's {counts}; {why}"
+        counts = rep.counts()
     return "fp32, bf16", ""
 
 

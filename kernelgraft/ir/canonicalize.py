@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .complex import lower_complex
-from .decompose import LAYER_NORMS, RMS_NORMS, layer_norm, rms_norm, variance
+from .decompose import LAYER_NORMS, RMS_NORMS, VECTOR_NORMS, layer_norm, rms_norm, variance, vector_norm
 from .graph import CGraph, CNode, DtypeOf
 from .indexing import VIEWS, half_of, pairs_of, row_index, units_read_by_rows, view_kind
 from .primitives import PRIMITIVES
@@ -175,6 +175,8 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         return layer_norm(b, n, args, kwargs)
     if target in RMS_NORMS:
         return rms_norm(b, n, args, kwargs)
+    if target in VECTOR_NORMS and (n.op == "call_method") == (target == "norm"):
+        return vector_norm(b, n, args, kwargs)
     if target is torch.var or (n.op == "call_method" and target == "var"):
         return variance(b, n, args, kwargs)
     if target in VIEWS and args and isinstance(args[0], CNode):

@@ -17,6 +17,7 @@ from .rules import apply_rules
 
 LAYER_NORMS = (F.layer_norm, torch.layer_norm)
 RMS_NORMS = (F.rms_norm, torch.rms_norm) if hasattr(F, "rms_norm") else ()
+VECTOR_NORMS = (torch.norm, "norm", torch.linalg.vector_norm)
 
 
 def _over_last_dim(shape, x: CNode) -> bool:
@@ -103,8 +104,17 @@ class _Decomposed:
             lambda g, fx_of: g.call_method("mean", (fx_of(a), -1), {"keepdim": True}),
         )
 
+    def row_sum(self, a: CNode) -> CNode:
+        return self._node(
+            "sum",
+            (a,),
+            (("dims", (-1,)), ("keepdim", True)),
+            self._value(a, row=True),
+            lambda g, fx_of: g.call_method("sum", (fx_of(a), -1), {"keepdim": True}),
+        )
+
     def unary(self, op: str, a: CNode) -> CNode:
-        fn = {"square": torch.square, "rsqrt": torch.rsqrt}[op]
+        fn = {"square": torch.square, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt}[op]
         return self._node(op, (a,), (), self._value(a), lambda g, fx_of: g.call_function(fn, (fx_of(a),)))
 
     def binary(self, op: str, a: CNode, c) -> CNode:
@@ -172,3 +182,28 @@ def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
     h = d.cast(x, torch.float32)
     y = d.binary("mul", h, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", h)), eps)))
     return b.new("cast", (y, out_dtype), fx=n)
+
+
+def vector_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
+    """The 2-norm of each row, `x.norm(p=2, dim=-1, keepdim=True)` (`torch.norm`,
+    `torch.linalg.vector_norm(x, 2, -1, keepdim=True)`) -> sqrt of the row's sum of squares, x read
+    in float32 and the norm rounded once to x's dtype (PyTorch accumulates a bf16/fp16 norm in
+    float32). Another order, dim, a dtype, or no keepdim stays opaque."""
+    vector = n.target is torch.linalg.vector_norm
+    bound = dict(zip(("input", "ord" if vector else "p", "dim", "keepdim"), args))
+    bound.update(kwargs)
+    x = bound.get("input")
+    p = bound.get("ord" if vector else "p", 2 if vector else "fro")
+    dim = bound.get("dim")
+    meta = x.meta if isinstance(x, CNode) else None
+    rank = meta.dim() if isinstance(meta, torch.Tensor) else None
+    last = dim in (-1, (-1,), [-1]) or (rank is not None and dim in (rank - 1, (rank - 1,), [rank - 1]))
+    if not (isinstance(x, CNode) and p in (2, 2.0, "fro") and last and bound.get("keepdim")) or bound.get(
+        "dtype"
+    ) is not None:
+        return b.new("opaque:norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    out = n.meta.get("example_value")
+    out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
+    d = _Decomposed(b, meta)
+    root = d.unary("sqrt", d.row_sum(d.unary("square", d.cast(x, torch.float32))))
+    return b.new("cast", (root, out_dtype), fx=n)

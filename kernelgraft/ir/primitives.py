@@ -163,6 +163,10 @@ for _p in (
     # activations
     Primitive("silu", (F.silu,), forward=lambda a: a * Sigmoid(a)),
     Primitive("relu", (torch.relu, F.relu, "relu"), forward=lambda a: sympy.Max(a, 0)),
+    # autograd's clamp_min passes the gradient where x >= min (a tie included)
+    Primitive("clamp_min", (torch.clamp_min, "clamp_min"), "binary", lambda a, b: sympy.Max(a, b),
+              derivative=lambda n: [sympy.Heaviside(n.inputs[0] - n.inputs[1], 1),
+                                    sympy.Heaviside(n.inputs[1] - n.inputs[0], 0)]),
     Primitive("gelu", (F.gelu, torch._C._nn.gelu), forward=_gelu, attrs=(("approximate", "none"),)),
     # row reductions (dim=-1, keepdim=True in a kernel; the adjoint of a sum is a broadcast)
     Primitive("mean", (torch.mean, "mean"), "reduction", mean=True),

@@ -210,7 +210,8 @@ class TritonPrinter(StrPrinter):
         return f"tl.maximum({self._print(a)}, {self._print(b)})"
 
     def _print_Heaviside(self, f):
-        return f"tl.where({self._print(f.args[0])} > 0.0, 1.0, 0.0)"
+        at_zero = f.args[1] if len(f.args) > 1 else 0  # H(0): 1 where a tie passes (clamp_min's x >= min)
+        return f"tl.where({self._print(f.args[0])} {'>=' if at_zero == 1 else '>'} 0.0, 1.0, 0.0)"
 
     def _print_RoundBF16(self, f):
         return f"_round_bf16({self._print(f.args[0])})"

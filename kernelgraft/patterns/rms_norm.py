@@ -10,7 +10,10 @@ olmo2: normalize in float32, multiply by the weight in float32, round once at th
 no_weight: normalize in float32, round back; no weight (Gemma-3n, Llama-4 and other weightless
        norms). A larger spelling that also matches (llama's, with its weight) is tried first.
 no_weight_scale: no weight, the scale rounded to x's dtype before it multiplies x (DeepSeek-V4).
+promoted: llama's math with x, not its float32 copy, times the float32 scale (type promotion
+       upcasts it), the weight multiplied last (CPM-Ant).
 no_cast: every op in x's dtype, the weight last (hand-written models).
+l2_scaled: x times scale / max(||x||, eps), no weight (Zaya's q/k norm).
 gated: x times silu(gate) in float32, then llama's norm (Mamba-2's gated norm: Mamba-2, Bamba,
        Zamba-2, GraniteMoeHybrid, Nemotron-H; served where the norm takes each row as one group).
 """
@@ -84,6 +87,14 @@ def rms_norm_no_weight_scale(x, eps: Scalar):
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+@pattern("rms_norm", spelling="promoted", extra_check=dtype_check, example=_example, recompute=True)
+def rms_norm_promoted(x, weight, eps: Scalar):
+    """x itself, not its float32 copy, times the float32 scale: PyTorch promotes x to float32 for
+    the product, so the math is llama's; the weight multiplies last (CPM-Ant)."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
 def _float32_only(site) -> str | None:
     """no_cast in bf16/fp16 rounds after every op; eager's autograd rounds its backward at points
     the derived backward does not reproduce yet (measured: 1.1x eager's x-gradient error), so only
@@ -118,3 +129,18 @@ def rms_norm_gated(x, gate, weight, eps: Scalar):
     h = h * F.silu(gate.to(torch.float32))
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def _example_l2_scaled(rows, n, dtype, g):
+    return {"x": torch.randn(rows, n, generator=g).to(dtype).requires_grad_(), "scale": 4.0, "eps": 1e-6}
+
+
+@pattern(
+    "rms_norm", spelling="l2_scaled", extra_check=_float32_only, example=_example_l2_scaled, recompute=True
+)
+def rms_norm_l2_scaled(x, scale: Scalar, eps: Scalar):
+    """x scaled to the L2 norm `scale`, its own norm clamped below at eps, every op in x's dtype
+    (the norm accumulated in float32): Zaya's q/k norm. Served in float32, as no_cast: in bf16 its
+    gradient where g is along x cancels to the roundings of eager's backward steps, and the
+    kernel's differ (measured on the CPU: 1.6x eager's error on such a case)."""
+    return x * (scale / x.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))

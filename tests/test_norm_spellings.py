@@ -233,3 +233,65 @@ def test_a_module_named_for_a_norm_it_holds_is_not_reported_as_a_norm():
 
     rep = kernelgraft.explain(Block(), torch.randn(2, 5, 32))
     assert [(u.module, u.kind, u.cls) for u in rep.unserved] == [("norm", "norm", "OddNorm1P")], str(rep)
+
+
+class L2Scaled(nn.Module):
+    """Zaya's q/k norm: x scaled to the norm `scale`, its own 2-norm clamped below at eps."""
+
+    def __init__(self, how: str, eps=1e-6):
+        super().__init__()
+        self.how, self.eps = how, eps
+
+    def forward(self, x):
+        if self.how == "method":
+            n = x.norm(p=2, dim=-1, keepdim=True)
+        else:
+            n = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True)
+        return x * (4.0 / n.clamp_min(self.eps))
+
+
+@pytest.mark.parametrize("how", ["method", "linalg"])
+def test_an_l2_norm_clamped_below_is_served_in_float32_and_reported_in_bf16(how):
+    """x.norm(p=2, dim=-1, keepdim=True) and torch.linalg.vector_norm read as sqrt of the row's sum
+    of squares: served as rms_norm.l2_scaled in float32, by the rule; in bf16 it is refused, and says
+    why."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 24, 64)
+    stock = L2Scaled(how)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    g = torch.randn(4, 24, 64)
+    runs = {}
+    for name, m, xin in (("truth", stock, x.double()), ("eager", stock, x), ("kg", mine, x)):
+        xin = xin.clone().requires_grad_()
+        out = m(xin)
+        out.backward(g.to(out.dtype))
+        runs[name] = (out.detach(), xin.grad)
+    rep = mine.kernelgraft_report
+    assert [(s.spelling, s.scalars) for s in rep.sites] == [("l2_scaled", {"scale": 4.0, "eps": 1e-6})], str(rep)
+    for i, what in enumerate(("out", "grad x")):
+        v = judge(what, runs["truth"][i], runs["kg"][i], runs["eager"][i])
+        assert v.ok, str(v)
+    low = kernelgraft.explain(L2Scaled(how), x.bfloat16())
+    assert not low.sites and "float32" in low.fallbacks[0].reason, str(low)
+
+
+def test_a_clamped_norm_at_its_bound_passes_the_gradient_as_autograd_does():
+    """clamp_min's gradient passes where x >= min, a tie included: a row whose norm is exactly eps
+    (0.5 = ||(0.5, 0, ...)||) gets the gradient through the norm, bitwise as eager's float32."""
+    x = torch.zeros(2, 8)
+    x[:, 0] = 0.5
+    x[1, 1] = 0.25  # a row above its bound, beside the tie
+    g = torch.arange(16, dtype=torch.float32).view(2, 8) / 7 - 1
+    stock = L2Scaled("method", eps=0.5)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    got = {}
+    for name, m in (("eager", stock), ("kg", mine)):
+        xin = x.clone().requires_grad_()
+        m(xin).backward(g)
+        got[name] = xin.grad
+    assert mine.kernelgraft_report.counts() == {"rms_norm": 1}
+    # at the tie the gradient through the norm cancels the direct one in x's own direction: 0 at
+    # column 0; were the tie not passed, 8 g there
+    assert got["eager"][0, 0] == 0 and 8 * g[0, 0] != 0
+    assert torch.equal(got["kg"][0], got["eager"][0]), (got["kg"][0], got["eager"][0])
+    assert torch.allclose(got["kg"], got["eager"], rtol=1e-6, atol=0), (got["kg"], got["eager"])

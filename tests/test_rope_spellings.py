@@ -52,6 +52,13 @@ SPELLINGS = {  # how: (rope(q, cos, sin), the spelling that serves it, cos/sin i
         "pairs_in_halves",
         False,
     ),
+    "halves, chunked": (  # GPT-OSS: rotate-half written out over chunk(x, 2, -1), half-width angles
+        lambda q, c, s: torch.cat(
+            (q.chunk(2, -1)[0] * c - q.chunk(2, -1)[1] * s, q.chunk(2, -1)[1] * c + q.chunk(2, -1)[0] * s), -1
+        ),
+        "halves",
+        False,
+    ),
     "complex product": (  # Llama 4, DeepSeek-V2: the pairs as complex numbers times cos + i sin
         lambda q, c, s: torch.view_as_real(
             torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2)) * torch.complex(c, s)

@@ -64,6 +64,9 @@ class Spec:
     # arguments, half a row wide, are read at k // 2
     out_map: str = ""
     half_inputs: frozenset = frozenset()
+    # where those are read for the element at column k: "pairs" at k // 2 (one angle per pair),
+    # "halves" at k mod N/2 (one angle per column of a half: GPT-OSS's rotation of the halves)
+    half_at: str = "pairs"
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
 
@@ -90,18 +93,30 @@ def paired_output(g):
     return out if out.op in ("cat2", "interleave2") else None
 
 
+def read_in_halves(g) -> str | None:
+    """How a spelling that halves_of_pairs recognizes splits its rows: "pairs" (x[..., 0::2],
+    x[..., 1::2]) or "halves" (x[..., :D/2], x[..., D/2:], or chunk(x, 2, -1)); None for others."""
+    out = paired_output(g)
+    if out is None:
+        return None
+    ops = {n.op for n in g.nodes} & {"pairs", "half"}
+    if ops == {"pairs"}:
+        return "pairs"
+    return "halves" if ops == {"half"} and out.op == "cat2" else None
+
+
 def halves_of_pairs(g) -> tuple[set, set] | None:
     """A spelling whose output is cat(E0, E1) or interleave2(E0, E1) (maybe cast) over the even and
     odd columns of its inputs (x[..., 0::2], x[..., 1::2]) with angles half a row wide: DeepSeek's
     MLA rotation, cat(x1*c - x2*s, x2*c + x1*s), which writes the pairs' rotation with its results
     de-interleaved, or the complex product of Llama 4 and DeepSeek-V2 (ir/complex.py), which
-    writes them in place. -> (the input names read in pairs, the other tensor inputs: half a row
-    wide), or None."""
-    if paired_output(g) is None:
+    writes them in place; or cat(E0, E1) over the two halves of its rows (GPT-OSS's rotation,
+    cat(x1*c - x2*s, x2*c + x1*s) over chunk(x, 2, -1)): rotate_half with angles half a row wide.
+    -> (the input names read in pairs or halves, the other tensor inputs: half a row wide), or None."""
+    split = read_in_halves(g)
+    if split is None:
         return None
-    pairs = [n for n in g.nodes if n.op == "pairs"]
-    if not pairs:
-        return None
+    pairs = [n for n in g.nodes if n.op == ("pairs" if split == "pairs" else "half")]
     read = {n.args[0] for n in pairs}
     read = {c.args[0] if c.op == "cast" else c for c in read}
     names = {c.attr("name") for c in read if isinstance(c, CNode) and c.op == "input"}
@@ -233,14 +248,15 @@ def build_spec(
             val[n] = SNode(SGN * at, x.dtype, x.level, (x,), None, name=n.name, permuted=True)
             nodes.append(val[n])
             continue
-        if n.op == "pairs" and halves is not None:
+        if n.op in ("pairs", "half") and halves is not None:
             # computed in the pairs' order: the element at column k holds the odd half's value at
             # odd k (x[..., 1::2] is the column read there, x[..., 0::2] its partner, sign +1) and
-            # the even half's at even k (checked at the cat below)
+            # the even half's at even k (checked at the cat below); for halves alike, the second
+            # half (x[..., D/2:]) read at k and the first its partner across the row
             x = arg(n.args[0])
             if not _loaded(n.args[0]) or x.level != "elem":
                 raise Unsupported("pairs of a computed value: kernels permute tensors as they load them")
-            rotation = "pairs"
+            rotation = "pairs" if n.op == "pairs" else "half"
             if n.attr("part") == 1:
                 val[n] = x
             else:
@@ -311,6 +327,7 @@ def build_spec(
         nodes,
         rounding,
         rotation or "half",
-        "deinterleave" if halves is not None and paired_output(g).op == "cat2" else "",
+        "deinterleave" if halves is not None and paired_output(g).op == "cat2" and read_in_halves(g) == "pairs" else "",
         frozenset(f"v_{a}" for a in halves[1]) if halves is not None else frozenset(),
+        read_in_halves(g) or "pairs",
     )

@@ -11,6 +11,10 @@ built on it), the results de-interleaved and cos and sin half a row wide, one an
 
     cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin),  x1, x2 = x[..., 0::2], x[..., 1::2]
 
+or rotate-half written out over the two halves with half-width angles (GPT-OSS):
+
+    cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin),  x1, x2 = chunk(x, 2, -1)
+
 or as a complex product (Llama 4, DeepSeek-V2), which canonicalization reads as real ops with the
 results in place: view_as_real(view_as_complex(x.float().reshape(..., -1, 2)) * f).flatten(-2), f the
 float32 complex angles, cos and sin its parts (see the `complex` spelling)
@@ -141,3 +145,9 @@ def rope_complex(x, cos, sin):
     a = xf[..., 0::2]
     b = xf[..., 1::2]
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+@pattern("rope", spelling="halves", extra_check=_halves_check, example=_example_halves)
+def rope_halves(x, cos, sin):
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

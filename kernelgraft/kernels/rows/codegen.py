@@ -69,7 +69,9 @@ def _col_of(spec: Spec, t: str) -> str:
     at the de-interleaved column, and the half-width arguments at cols // 2."""
     if t in ("out", "g") and spec.out_map == "deinterleave":
         return "ocols"
-    return "(cols // 2)" if t in spec.half_inputs else "cols"
+    if t not in spec.half_inputs:
+        return "cols"
+    return "(cols // 2)" if spec.half_at == "pairs" else "(cols % (N // 2))"
 
 
 def _out_map(spec: Spec, indent: str) -> list[str]:
@@ -110,6 +112,8 @@ def _partner(spec: Spec, t: str, base: str, mask: str, rows: str, indent: str) -
     already loaded; the half rotation's is a second, contiguous load."""
     if spec.rotation == "pairs":
         return f"{indent}{t}__p = _swap_pairs({t}, {rows}, BLOCK_N)"
+    if t in spec.half_inputs:  # a half-width angle: the rotated column reads the same one
+        return f"{indent}{t}__p = {t}"
     return f"{indent}{t}__p = tl.load({base} + pcols * {t}_sc, mask={mask}, other=0.0).to(tl.float32)"
 
 

@@ -91,6 +91,24 @@ def hf_rope_pairs(q, k, cos, sin):
     return q * cos + _rotate_pairs(q) * sin, k * cos + _rotate_pairs(k) * sin
 
 
+def hf_rope_halves(q, k, cos, sin):  # GPT-OSS: rotate-half over chunk(x, 2, -1), half-width angles
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def hf_rope_complex(q, k, f):  # Llama 4, DeepSeek-V2: the pairs as complex numbers, q (B, S, H, D)
+    def rotate(x):
+        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(z * f).flatten(3).type_as(x)
+
+    return rotate(q), rotate(k)
+
+
 def _liger(name):
     try:
         if name == "rms":
@@ -151,6 +169,24 @@ def pattern_cases(quick: bool):
         name = f"RoPE{' interleaved' if pairs else ''} q {B}x{Hq}x{S}x{D}, k {B}x{Hk}x{S}x{D}"
         return name, hf_rope_pairs if pairs else hf_rope, "-" if pairs else "rope", make, 4 * n * 2
 
+    def rope_half_width(B, Hq, Hk, S, D, how):
+        """The rotations whose angles are half a row wide: over the halves (GPT-OSS), or as a
+        complex product (Llama 4: q and k as computed, (B, S, heads, D), the angles complex)."""
+
+        def make():
+            ang = torch.randn(B, S, D // 2, device="cuda")
+            if how == "complex":
+                q = torch.randn(B, S, Hq, D, **bf).requires_grad_()
+                k = torch.randn(B, S, Hk, D, **bf).requires_grad_()
+                return q, k, torch.polar(torch.ones_like(ang), ang)[:, :, None, :]
+            q = torch.randn(B, S, Hq, D, **bf).transpose(1, 2).requires_grad_()
+            k = torch.randn(B, S, Hk, D, **bf).transpose(1, 2).requires_grad_()
+            return q, k, ang.cos().bfloat16(), ang.sin().bfloat16()
+
+        n = B * S * (Hq + Hk) * D
+        fn = hf_rope_complex if how == "complex" else hf_rope_halves
+        return f"RoPE {how} q {B}x{Hq}x{S}x{D}, k {B}x{Hk}x{S}x{D}", fn, "-", make, 4 * n * 2
+
     def ln(M, N):
         def make():
             x = torch.randn(M, N, **bf).requires_grad_()
@@ -166,6 +202,7 @@ def pattern_cases(quick: bool):
 
     cases = [rms(16384, 4096), rope(8, 32, 8, 2048, 128), mlp(16384, 14336)]  # the reference shapes
     cases += [ln(16384, 4096), rope(8, 32, 8, 2048, 128, pairs=True)]
+    cases += [rope_half_width(8, 32, 8, 2048, 128, how) for how in ("halves", "complex")]
     if not quick:
         cases += [rms(M, 4096) for M in (1024, 4096, 65536)] + [rms(4096, N) for N in (2048, 8192)]
         cases += [rope(B, 32, 8, 2048, 128) for B in (1, 2)] + [mlp(M, 8192) for M in (4096, 32768)]

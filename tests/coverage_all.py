@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 from tiny import VOCAB, batch, compare_models, tiny_config, tiny_model
 
+from kernelgraft.kernels import fallback
+
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
 START, END = "<!-- decoders:start -->", "<!-- decoders:end -->"
@@ -535,6 +537,7 @@ def _release():
     """Free the models of a check before the next is built: a "tiny" config that keeps a default
     vision tower or per-layer embedding is hundreds of MB, its float64 truth twice that."""
     torch._dynamo.reset()  # compiled graphs hold their models' parameters
+    fallback.forget_failures()  # a kernel that failed for one model is tried again for the next
     gc.collect()
 
 

@@ -334,6 +334,42 @@ def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(broken_kernels
     assert any("rms_norm" in k[0] and "injected" in v for k, v in failed_kernels().items())
 
 
+@pytest.mark.parametrize("error", ["DefaultCPUAllocator: can't allocate memory", "CUDA out of memory."])
+def test_a_kernel_that_runs_out_of_memory_raises_and_stays_in_use(monkeypatch, error):
+    """Memory that another program holds is not a defect of the kernel: the error reaches the user
+    (as the stock code's would), nothing is recorded, and the next call runs the kernel again."""
+    from kernelgraft.kernels import failed_kernels
+
+    monkeypatch.setattr(fallback, "FAILED", {})
+    monkeypatch.setattr(fallback, "_FAILED_SITES", {})
+    real = build.RowKernel.fn
+    calls = []
+
+    def fn(self, which, device):
+        if not calls:
+            calls.append(which)
+
+            class Full:
+                def __getitem__(self, grid):
+                    def launch(*args, **kwargs):
+                        raise RuntimeError(error)
+
+                    return launch
+
+            return Full()
+        calls.append(which)
+        return real(self, which, device)
+
+    monkeypatch.setattr(build.RowKernel, "fn", fn)
+    x = torch.randn(6, 40)
+    w = torch.randn(40)
+    with pytest.raises(RuntimeError, match="memory"):
+        op_for(RMS)(x, w, 1e-6)
+    assert failed_kernels() == {}
+    y = op_for(RMS)(x, w, 1e-6)
+    assert len(calls) == 2 and torch.allclose(y, RMS.fn(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor", "inductor, reduce-overhead"])
 def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, backend):
     """Every family's kernel fails at its first launch (the sites were replaced at capture): the

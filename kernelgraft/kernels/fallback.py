@@ -61,9 +61,23 @@ def has_failed(name: str, device_type: str) -> bool:
     return bool(FAILED) and (name, device_type) in FAILED
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """e says the machine or the device ran out of memory (CUDA's OutOfMemoryError, the CPU
+    allocator's "can't allocate memory", numpy's MemoryError in the interpreter)."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(e)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
 def record_failure(name: str, dev: torch.device, e: Exception, consequence: str, spelling=None, dtype=None) -> None:
     """Record a generated kernel that failed to load, compile or launch (FAILED), and warn once,
-    naming the sites it served (spelling and dtype: the sites' key, see site_key)."""
+    naming the sites it served (spelling and dtype: the sites' key, see site_key).
+    Running out of memory is not a defect of the kernel: the error is raised again, as the stock
+    code's own would be, and the kernel stays in use (recorded, one allocation that failed while
+    another program held the memory would send every later call to the stock code)."""
+    if out_of_memory(e):
+        raise e
     key = (name, dev.type)
     if key in FAILED:
         return
@@ -127,3 +141,10 @@ def reference_gradients(spelling, grad: torch.Tensor, args: tuple, needs: list[b
         t = named[n]
         out.append(got.get(n, torch.zeros_like(t)) if need else t.new_empty(0))
     return out
+
+
+def forget_failures() -> None:
+    """Forget every recorded failure (FAILED and the sites'): the kernels are tried again. For a
+    process that runs many independent models, one after another (a survey)."""
+    FAILED.clear()
+    _FAILED_SITES.clear()

@@ -96,21 +96,19 @@ class _Decomposed:
         )
 
     def row_mean(self, a: CNode) -> CNode:
-        return self._node(
-            "mean",
-            (a,),
-            (("dims", (-1,)), ("keepdim", True)),
-            self._value(a, row=True),
-            lambda g, fx_of: g.call_method("mean", (fx_of(a), -1), {"keepdim": True}),
-        )
+        return self._row("mean", a)
 
     def row_sum(self, a: CNode) -> CNode:
+        return self._row("sum", a)
+
+    def _row(self, op: str, a: CNode) -> CNode:
+        """A reduction of each row (dim=-1, keepdim=True)."""
         return self._node(
-            "sum",
+            op,
             (a,),
             (("dims", (-1,)), ("keepdim", True)),
             self._value(a, row=True),
-            lambda g, fx_of: g.call_method("sum", (fx_of(a), -1), {"keepdim": True}),
+            lambda g, fx_of: g.call_method(op, (fx_of(a), -1), {"keepdim": True}),
         )
 
     def unary(self, op: str, a: CNode) -> CNode:

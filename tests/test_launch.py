@@ -337,7 +337,7 @@ def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(broken_kernels
 @pytest.mark.parametrize("error", ["DefaultCPUAllocator: can't allocate memory", "CUDA out of memory."])
 def test_a_kernel_that_runs_out_of_memory_raises_and_stays_in_use(monkeypatch, error):
     """Memory that another program holds is not a defect of the kernel: the error reaches the user
-    (as the stock code's would), nothing is recorded, and the next call runs the kernel again."""
+    (as the stock code's would), nothing is recorded, and the kernel runs again the next time."""
     from kernelgraft.kernels import failed_kernels
 
     monkeypatch.setattr(fallback, "FAILED", {})

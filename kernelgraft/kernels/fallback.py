@@ -75,7 +75,7 @@ def record_failure(name: str, dev: torch.device, e: Exception, consequence: str,
     naming the sites it served (spelling and dtype: the sites' key, see site_key).
     Running out of memory is not a defect of the kernel: the error is raised again, as the stock
     code's own would be, and the kernel stays in use (recorded, one allocation that failed while
-    another program held the memory would send every later call to the stock code)."""
+    another program held the memory would send the rest of the process to the stock code)."""
     if out_of_memory(e):
         raise e
     key = (name, dev.type)

@@ -183,6 +183,8 @@ def build_spec(
     val: dict = {}  # CNode -> SNode
     rotation = None
     halves = halves_of_pairs(g)  # (paired inputs, half-width inputs) or None
+    writer = paired_output(g) if halves is not None else None  # the node that writes the row
+    split = read_in_halves(g) or "pairs"
     reductions: list[Reduction] = []
     symbols: dict[str, sympy.Symbol] = {}
     nodes: list[SNode] = []
@@ -264,7 +266,7 @@ def build_spec(
                 val[n] = SNode(SGN * at, x.dtype, x.level, (x,), None, name=n.name, permuted=True)
                 nodes.append(val[n])
             continue
-        if halves is not None and n is paired_output(g):
+        if writer is not None and n is writer:
             even, odd = arg(n.args[0]), arg(n.args[1])
             # the even half as written (x[..., 0::2] read where the element is, x[..., 1::2] its
             # partner) must be the odd half's value with the partner's sign -1: one expression
@@ -327,7 +329,7 @@ def build_spec(
         nodes,
         rounding,
         rotation or "half",
-        "deinterleave" if halves is not None and paired_output(g).op == "cat2" and read_in_halves(g) == "pairs" else "",
+        "deinterleave" if writer is not None and writer.op == "cat2" and split == "pairs" else "",
         frozenset(f"v_{a}" for a in halves[1]) if halves is not None else frozenset(),
-        read_in_halves(g) or "pairs",
+        split,
     )

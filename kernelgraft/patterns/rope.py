@@ -30,13 +30,24 @@ import torch
 from .registry import dtype_check, pattern
 
 
-def _example(rows, n, dtype, g):
-    """HF's layout: q (1, heads, S, n) as a transposed view, cos/sin (1, 1, S, n) with equal halves."""
+def _q_and_angles(rows, n, dtype, g, transposed=True):
+    """q (1, S, 4 heads, n) in `dtype`, as HF's (1, heads, S, n) transposed view unless said
+    otherwise, and one angle per pair (1, S, n / 2) in float32."""
     heads, n = 4, n + n % 2
     S = max(1, rows // heads)
-    q = torch.randn(1, S, heads, n, generator=g).to(dtype).transpose(1, 2).requires_grad_()
-    ang = torch.randn(1, S, n // 2, generator=g).repeat(1, 1, 2)
-    return {"x": q, "cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+    q = torch.randn(1, S, heads, n, generator=g).to(dtype)
+    q = (q.transpose(1, 2) if transposed else q).requires_grad_()
+    return q, torch.randn(1, S, n // 2, generator=g)
+
+
+def _cos_sin(ang, dtype) -> dict:
+    return {"cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+
+
+def _example(rows, n, dtype, g):
+    """HF's layout: q (1, heads, S, n) as a transposed view, cos/sin (1, 1, S, n) with equal halves."""
+    q, ang = _q_and_angles(rows, n, dtype, g)
+    return {"x": q, **_cos_sin(ang.repeat(1, 1, 2), dtype)}
 
 
 @pattern("rope", spelling="rotate_half", extra_check=dtype_check, example=_example)
@@ -48,11 +59,8 @@ def rope_rotate_half(x, cos, sin):
 
 def _example_pairs(rows, n, dtype, g):
     """As _example, with each angle repeated for the two columns of its pair."""
-    heads, n = 4, n + n % 2
-    S = max(1, rows // heads)
-    q = torch.randn(1, S, heads, n, generator=g).to(dtype).transpose(1, 2).requires_grad_()
-    ang = torch.randn(1, S, n // 2, generator=g).repeat_interleave(2, dim=-1)
-    return {"x": q, "cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+    q, ang = _q_and_angles(rows, n, dtype, g)
+    return {"x": q, **_cos_sin(ang.repeat_interleave(2, dim=-1), dtype)}
 
 
 def _pairs_check(site) -> str | None:
@@ -104,11 +112,8 @@ def rope_interleaved_float32(x, cos, sin):
 
 def _example_halves(rows, n, dtype, g):
     """As _example, with cos and sin one angle per pair: half a row wide."""
-    heads, n = 4, n + n % 2
-    S = max(1, rows // heads)
-    q = torch.randn(1, S, heads, n, generator=g).to(dtype).transpose(1, 2).requires_grad_()
-    ang = torch.randn(1, S, n // 2, generator=g)
-    return {"x": q, "cos": ang.cos().to(dtype).unsqueeze(1), "sin": ang.sin().to(dtype).unsqueeze(1)}
+    q, ang = _q_and_angles(rows, n, dtype, g)
+    return {"x": q, **_cos_sin(ang, dtype)}
 
 
 def _halves_check(site) -> str | None:
@@ -129,11 +134,8 @@ def rope_pairs_in_halves(x, cos, sin):
 def _example_complex(rows, n, dtype, g):
     """Llama 4's layout: q (1, S, heads, n) as computed, cos and sin the parts of a float32 complex
     angle (1, S, 1, n / 2): views of its storage, every other float."""
-    heads, n = 4, n + n % 2
-    S = max(1, rows // heads)
-    q = torch.randn(1, S, heads, n, generator=g).to(dtype).requires_grad_()
-    ang = torch.randn(1, S, 1, n // 2, generator=g)
-    f = torch.polar(torch.ones_like(ang), ang)
+    q, ang = _q_and_angles(rows, n, dtype, g, transposed=False)
+    f = torch.polar(torch.ones_like(ang), ang)[:, :, None, :]
     return {"x": q, "cos": torch.real(f), "sin": torch.imag(f)}
 
 

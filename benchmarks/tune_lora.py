@@ -283,14 +283,14 @@ def main():
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
     )
-    for part in a.parts.split(","):
-        res[part] = {"ops": ops, "accuracy": accuracy, "tiles": tiles, "fills": fills}[part]()
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "tune_lora.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    md = markdown(res)
-    with open(os.path.join(a.out, "tune_lora.md"), "w") as f:
-        f.write(md)
+    for part in a.parts.split(","):  # written after each part: a run cut short keeps what it measured
+        res[part] = {"ops": ops, "accuracy": accuracy, "tiles": tiles, "fills": fills}[part]()
+        with open(os.path.join(a.out, "tune_lora.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        md = markdown(res)
+        with open(os.path.join(a.out, "tune_lora.md"), "w") as f:
+            f.write(md)
     print(md)
 
 

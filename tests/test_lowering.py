@@ -363,17 +363,26 @@ def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the
     assert all(torch.equal(a, b_) for a, b_ in zip(got[False], got[True]))
 
 
-def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
-    """While kernelgraft compiles, a user-defined kernel it generated gets the static launcher's compiled
-    result in place of Triton's launcher's (the worker made the latter); any other kernel, or one
-    whose result the static launcher refuses, keeps its own. Checked on this torch's classes, the
-    compile itself stubbed (no GPU here; tests/test_gpu_launch.py checks a real compile)."""
+def _tuner(name, kernel, heuristic=None):
+    """An inductor CachingAutotuner as a worker returns it: one compiled result, no launchers."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    t = object.__new__(th.CachingAutotuner)
+    t.fn = type("F", (), {"__name__": name})()
+    t.heuristic_type = heuristic or th.HeuristicType.USER_AUTOTUNE
+    t.launchers, t.inductor_meta, t.triton_meta = [], {}, {}
+    t.compile_results = [th.TritonCompileResult(kernel, {"c": 1}, {"m": 1}, {"i": 1})]
+    return t
+
+
+def _stub_static_launcher(monkeypatch):
+    """The static launcher stubbed (no GPU here): it refuses the kernel it returns, takes any other."""
     from torch._inductor.runtime import triton_heuristics as th
 
     from kernelgraft.kernels import launching
-    from kernelgraft.rewriter.lowering import launcher_kinds, static_launches
 
     made = []
+    refused = object()
 
     def precompile(self, compiled_here=False):  # inductor's: compiled in this process or by a worker
         if compiled_here:
@@ -382,20 +391,26 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
 
     monkeypatch.setattr(th.CachingAutotuner, "precompile", precompile)
     monkeypatch.setattr(th.CachingAutotuner, "_make_launchers", lambda self: made.append(self))
-    refused = object()
     monkeypatch.setattr(
         th.StaticTritonCompileResult,
         "can_statically_launch",
         staticmethod(lambda kernel, *a: None if kernel is refused else ("static", kernel)),
     )
     monkeypatch.setattr(launching, "KERNEL_PREFIXES", launching.KERNEL_PREFIXES | {"ours_"})
+    return made, refused
 
-    def tuner(name, kernel, heuristic=th.HeuristicType.USER_AUTOTUNE):
-        t = object.__new__(th.CachingAutotuner)
-        t.fn = type("F", (), {"__name__": name})()
-        t.heuristic_type, t.launchers, t.inductor_meta, t.triton_meta = heuristic, [], {}, {}
-        t.compile_results = [th.TritonCompileResult(kernel, {"c": 1}, {"m": 1}, {"i": 1})]
-        return t
+
+def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
+    """While kernelgraft compiles, a user-defined kernel it generated gets the static launcher's compiled
+    result in place of Triton's launcher's (the worker made the latter); any other kernel, or one
+    whose result the static launcher refuses, keeps its own. Checked on this torch's classes, the
+    compile itself stubbed (no GPU here; tests/test_gpu_launch.py checks a real compile)."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    from kernelgraft.rewriter.lowering import launcher_kinds, static_launches
+
+    made, refused = _stub_static_launcher(monkeypatch)
+    tuner = _tuner
 
     mine, other = tuner("ours_fwd", "k1"), tuner("ours_bwd", refused)
     theirs, no = tuner("theirs_fwd", "k2"), tuner("ours_fwd", "k3", th.HeuristicType.POINTWISE)
@@ -419,6 +434,32 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
     kinds = launcher_kinds()
     assert kinds["ours_bwd"] == {"TritonCompileResult"} and "theirs_fwd" not in kinds
     assert kinds["ours_fwd"] == {"StaticTritonCompileResult", "TritonCompileResult"}
+
+
+def test_static_launches_are_kept_for_graphs_loaded_from_caches(monkeypatch):
+    """Once kernelgraft has compiled a graph with its launches, the swap stays for the process: a graph
+    AOT autograd loads from its cache makes its kernels' launchers outside any inner compile (the
+    GPU test of a second process on filled caches found Triton's launcher there). Installed once."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    from kernelgraft.rewriter import lowering
+
+    monkeypatch.setattr(lowering, "_kept", None)
+    made, refused = _stub_static_launcher(monkeypatch)
+    lowering.keep_static_launches()
+    hook = th.CachingAutotuner._make_launchers
+    lowering.keep_static_launches()
+    assert th.CachingAutotuner._make_launchers is hook  # not wrapped twice
+    try:
+        loaded, theirs = _tuner("ours_bwd", "k1"), _tuner("theirs_bwd", "k2")
+        for t in (loaded, theirs):
+            t.precompile()
+        assert made == [loaded, theirs]
+        assert type(loaded.compile_results[0]) is th.StaticTritonCompileResult
+        assert loaded.compile_results[0].kernel == ("static", "k1")
+        assert type(theirs.compile_results[0]) is th.TritonCompileResult
+    finally:
+        lowering._kept.close()
 
 
 def test_a_graph_inductor_cannot_compile_with_its_launches_is_compiled_with_host_launches(monkeypatch):

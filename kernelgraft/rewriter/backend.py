@@ -156,6 +156,7 @@ class Grafter:
             from torch._inductor.compile_fx import compile_fx_inner
 
             extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
+            lowering.keep_static_launches()
         return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
 
     def _fallback(self, stock: torch.fx.GraphModule, args):

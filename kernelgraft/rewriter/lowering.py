@@ -371,12 +371,26 @@ def launcher_kinds() -> dict[str, set[str]]:
     return kinds
 
 
+_kept: contextlib.ExitStack | None = None
+
+
+def keep_static_launches() -> None:
+    """static_launches from now on, for the rest of the process (once; called before inductor
+    compiles a graph with kernelgraft's launches). Not scoped to the inner compile: a graph AOT
+    autograd loads from its cache never reaches the inner compile, and its kernels' launchers are made
+    as it loads them; a lazily compiled backward makes them at the first backward call."""
+    global _kept
+    if _kept is None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(static_launches())
+        _kept = stack
+
+
 def memoizing_inner_compile(inner):
-    """inductor's inner compile (forward and backward graphs alike), under memoized_kernel_analysis
-    and static_launches."""
+    """inductor's inner compile (forward and backward graphs alike), under memoized_kernel_analysis."""
 
     def compile_graph(*args, **kwargs):
-        with memoized_kernel_analysis(), static_launches():
+        with memoized_kernel_analysis():
             return inner(*args, **kwargs)
 
     return compile_graph

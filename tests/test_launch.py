@@ -90,6 +90,32 @@ def test_rope_walks_rows_in_the_memory_order_of_q_and_a_norm_as_given(monkeypatc
     assert [m for m, _ in seen] == [None, None], seen
 
 
+@pytest.mark.parametrize("spelling", ["rotate_half", "interleaved", "halves", "pairs_in_halves"])
+def test_a_rotation_is_laid_out_as_eager_lays_out_its_spelling(spelling):
+    """An element-wise rotation keeps q's layout (HF's (batch, head, position) view of (batch,
+    position, head) memory); one that writes its row whole (cat: GPT-OSS's halves, MLA's pairs in
+    halves) is a new contiguous tensor in eager, and the launch and the op's fake implementation
+    make it so too: a graph output laid out otherwise than eager's costs a copy of its incoming
+    gradient (AOT autograd makes it contiguous). q's gradient keeps q's layout either way."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sp = REGISTRY.get("rope", spelling)
+    ex = sp.example(64, 16, torch.float32, torch.Generator().manual_seed(0))
+    args = [ex[n] for n in sp.arg_names]
+    q = args[0]
+    assert not q.is_contiguous()
+    want = sp.fn(*args)
+    got = op_for(sp)(*args)
+    assert got.stride() == want.stride(), (got.stride(), want.stride())
+    assert got.is_contiguous() == (spelling in ("halves", "pairs_in_halves"))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    (gq,) = torch.autograd.grad(got, (q,), torch.ones_like(got))
+    assert gq.stride() == q.stride()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op_for(sp)(*[mode.from_tensor(a) for a in args])
+    assert fake.stride() == want.stride()
+
+
 def test_contiguous_dims_collapse_and_unit_dims_drop():
     x = torch.randn(3, 1, 5, 7, 16)
     w = torch.randn(16)

@@ -67,6 +67,10 @@ class Spec:
     # where those are read for the element at column k: "pairs" at k // 2 (one angle per pair),
     # "halves" at k mod N/2 (one angle per column of a half: GPT-OSS's rotation of the halves)
     half_at: str = "pairs"
+    # the output is a new row written whole (a cat or an interleave of two halves, maybe cast):
+    # eager PyTorch makes it contiguous whatever its inputs' layout, and so does the launch
+    # (layout.rows_like); an element-wise result keeps its input's layout
+    fresh_out: bool = False
 
     N = sympy.Symbol("Nf", positive=True)  # row length as a float, for means
 
@@ -332,4 +336,5 @@ def build_spec(
         "deinterleave" if writer is not None and writer.op == "cat2" and split == "pairs" else "",
         frozenset(f"v_{a}" for a in halves[1]) if halves is not None else frozenset(),
         split,
+        fresh_out=paired_output(g) is not None,
     )

@@ -92,7 +92,7 @@ def forward_group(
     results, gargs, total_rows = [], [], 0
     for g in groups:
         elems = [g.tensors[n] for n in g.tensors if g.lay.kinds[n] == "elem"]
-        out = rows_like(bool(k.spec.reductions), elems, g.lay.shape, k.spec.out_dtype)
+        out = rows_like(bool(k.spec.reductions), elems, g.lay.shape, k.spec.out_dtype, k.spec.fresh_out)
         stats = torch.empty((*g.lay.shape[:-1], K), dtype=torch.float32, device=dev)
         results.append((out, stats))
         main = main_order(bool(k.spec.reductions), elems, g.lay.shape)
@@ -276,7 +276,7 @@ def backward_group(
         elem_bufs.append(bufs)
         outs = [b for b in bufs.values() if b is not None]
         if with_out:
-            fwd_outs.append(rows_like(reduces, elems, g.lay.shape, k.spec.out_dtype))
+            fwd_outs.append(rows_like(reduces, elems, g.lay.shape, k.spec.out_dtype, k.spec.fresh_out))
             outs.append(fwd_outs[-1])
         main = main_order(reduces, elems, g.lay.shape)
         sizes, strides, views = row_plan(
@@ -403,19 +403,19 @@ def _failed(k: RowKernel, dev: torch.device, e: Exception, spelling, groups: lis
     )
 
 
-def _laid_out(spelling, args: tuple, k: RowKernel, t: torch.Tensor) -> torch.Tensor:
-    """t (a full-size output or gradient of the stock code) in the layout the launch would have
-    given it (rows_like), which the op's fake implementation declared to inductor."""
+def _laid_out(spelling, args: tuple, k: RowKernel, t: torch.Tensor, out: bool = False) -> torch.Tensor:
+    """t (a full-size output, `out`, or gradient of the stock code) in the layout the launch would
+    have given it (rows_like), which the op's fake implementation declared to inductor."""
     tensors, _ = split_args(spelling, args)
     kinds = layout(spelling, tensors).kinds
     elems = [x for n, x in tensors.items() if kinds[n] == "elem"]
-    want = rows_like(bool(k.spec.reductions), elems, t.shape, t.dtype)
+    want = rows_like(bool(k.spec.reductions), elems, t.shape, t.dtype, out and k.spec.fresh_out)
     return t if t.stride() == want.stride() else want.copy_(t)
 
 
 def _reference_forward(spelling, args: tuple, k: RowKernel) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, row stats) from the spelling itself; the stats are unused on this path."""
     with torch.no_grad():
-        out = _laid_out(spelling, args, k, spelling.fn(*args))
+        out = _laid_out(spelling, args, k, spelling.fn(*args), out=True)
     K = max(len(k.spec.reductions), 1)
     return out, torch.empty((*out.shape[:-1], K), dtype=torch.float32, device=out.device)

@@ -213,17 +213,21 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def rows_like(reduces: bool, elems: list[torch.Tensor], shape, dtype: torch.dtype) -> torch.Tensor:
+def rows_like(
+    reduces: bool, elems: list[torch.Tensor], shape, dtype: torch.dtype, fresh: bool = False
+) -> torch.Tensor:
     """An empty output of `shape` (a result, or an element-wise gradient) for a launch whose
     per-element arguments are `elems`: laid out as the one whose memory order the rows are walked
     in (main_order) where that tensor is dense (no gaps, no overlap), contiguous otherwise (and for a
-    kernel with row statistics). The stores then follow the walk too: Hugging
+    kernel with row statistics, and for a result eager makes contiguous: `fresh`, Spec.fresh_out;
+    a graph's output laid out otherwise than eager's costs a copy of its incoming gradient, which
+    AOT autograd makes contiguous). The stores then follow the walk too: Hugging
     Face's q and k are (batch, head, position) views of (batch, position, head) memory, and a
     contiguous output scattered each row of a block to another place (one position's heads are
     `position x head_dim` apart there). Eager PyTorch's element-wise ops keep their input's
     layout the same way. The rule reads only shapes and strides: the fake implementations
     (ops.py) follow it on fake tensors and give inductor the very strides the launch makes."""
-    i = main_order(reduces, elems, shape)
+    i = None if fresh else main_order(reduces, elems, shape)
     ref = None if i is None else elems[i]
     dev = elems[0].device
     if ref is not None and ref.numel() and _dense(ref):

@@ -16,7 +16,7 @@ from . import launch
 from .codegen import accumulates, adds_input
 from .layout import layout, rows_like, split_args
 
-ABI = 3  # in every op name (family.op_name): bump it when what an op returns changes
+ABI = 4  # in every op name (family.op_name): bump it when what an op returns changes
 
 
 @dataclass
@@ -92,7 +92,7 @@ def _fake(sp, args, rounding):
     tensors, lay, spec, elems = _faked(sp, args, rounding)
     dev = next(iter(tensors.values())).device
     K = max(len(spec.reductions), 1)
-    out = rows_like(bool(spec.reductions), elems, lay.shape, spec.out_dtype)
+    out = rows_like(bool(spec.reductions), elems, lay.shape, spec.out_dtype, spec.fresh_out)
     return out, torch.empty((*lay.shape[:-1], K), dtype=torch.float32, device=dev)
 
 

@@ -192,25 +192,13 @@ class TritonPrinter(StrPrinter):
     def _print_Zero(self, n):
         return "0.0"
 
-    def _print_Mul(self, m):
-        # a quotient divides correctly rounded (_div: tl.math.div_rn), as eager's kernels and the CPU
-        # interpreter do: Triton's `/` on CUDA is div.full.f32, up to 2 ulp off, and where a
-        # gradient cancels (a norm's dx = rstd (g - mean g - xhat mean(g xhat))) that error is the
-        # result's (a LayerNorm fp16 case: twice eager's error on an H200, the interpreter's half)
-        num, den = sympy.fraction(m, exact=True)
-        if den == 1:
-            return super()._print_Mul(m)
-        if den.is_Integer and int(den) & (int(den) - 1) == 0:  # by a power of two: exact as a product
-            return f"{self.parenthesize(num, 50)} * {1.0 / int(den)!r}"
-        return f"_div({self._print(num)}, {self._print(den)})"
-
     def _print_Pow(self, p, rational=False):
         b, e = p.args
         base = self.parenthesize(b, 1000)
         if e.is_Integer:
             k = int(e)
             prod = " * ".join([base] * abs(k))
-            return f"({prod})" if k > 0 else f"_div(1.0, {prod})"
+            return f"({prod})" if k > 0 else f"(1.0 / ({prod}))"
         if e == sympy.S.Half:
             return f"tl.sqrt({self._print(b)})"
         if e == -sympy.S.Half:

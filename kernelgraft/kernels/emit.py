@@ -57,17 +57,6 @@ def _rsqrt(x):
 
 
 @triton.jit
-def _div(a, b):
-    # a / b correctly rounded (ir/sym.py's _print_Mul says why): float32 by the IEEE function,
-    # float64 by its own operator (IEEE there already). Either side may be a literal: the dtype is
-    # that of their sum, which nothing else reads
-    if (a + b).dtype == tl.float64:
-        return a / b
-    else:
-        return tl.math.div_rn(a, b)
-
-
-@triton.jit
 def _tanh(x):
     # tanh(x) = -m / (2 + m), m = expm1(-2|x|), with the sign of x. Below |x| = 1/2, expm1 by
     # Kahan's identity (w - 1) u / log(w), w = e^u, accurate where 2 sigmoid(2x) - 1 cancels;

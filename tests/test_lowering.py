@@ -792,3 +792,41 @@ def test_an_input_gradient_read_twice_or_added_to_a_later_one_is_left_apart():
     for fn in (twice, later):
         gm = _graph(fn, [args[0], args[1], g])
         assert accumulate_into_gradients(gm.graph) == 0, fn.__name__
+
+
+def test_an_outputs_incoming_gradient_is_traced_with_the_outputs_strides(monkeypatch):
+    """A compiled rotation of HF's transposed q returns its result laid out as q (as eager does), and
+    the backward graph takes that output's gradient with the same strides, where torch's older guess
+    (contiguous, set here as a torch that still defaults to it would have it) copies every incoming
+    gradient into that layout first."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    from kernelgraft.patterns import REGISTRY
+    from kernelgraft.rewriter import lowering
+
+    monkeypatch.setattr(functorch_config, "guess_tangent_strides_as_outputs", False)
+    seen = {}
+    real = lowering.PostGradPass.__call__
+
+    def spy(self, graph):
+        for n in graph.nodes:
+            if n.op == "placeholder" and n.name.startswith("tangents"):
+                seen[n.name] = n.meta["val"].stride()
+        return real(self, graph)
+
+    monkeypatch.setattr(lowering.PostGradPass, "__call__", spy)
+    torch._dynamo.reset()
+    q = torch.randn(2, 8, 4, 16).transpose(1, 2).requires_grad_()
+    ang = torch.randn(2, 8, 16)
+    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
+    rope = REGISTRY.get("rope", "rotate_half").fn
+    f = torch.compile(rope, backend=kernelgraft.Grafter("inductor"), dynamic=False)
+    with inductor_config.patch(force_disable_caches=True):
+        y = f(q, cos, sin)
+        g = torch.randn_like(y)
+        (gq,) = torch.autograd.grad(y, (q,), g)
+    assert y.stride() == q.stride() != q.contiguous().stride()
+    assert seen == {"tangents_1": q.stride()}, seen
+    want = rope(q, cos, sin)
+    torch.testing.assert_close(gq, torch.autograd.grad(want, (q,), g)[0], rtol=1e-6, atol=1e-6)

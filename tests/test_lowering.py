@@ -805,7 +805,6 @@ def test_an_outputs_incoming_gradient_is_traced_with_the_outputs_strides(monkeyp
     from kernelgraft.patterns import REGISTRY
     from kernelgraft.rewriter import lowering
 
-    monkeypatch.setattr(functorch_config, "guess_tangent_strides_as_outputs", False)
     seen = {}
     real = lowering.PostGradPass.__call__
 
@@ -822,7 +821,9 @@ def test_an_outputs_incoming_gradient_is_traced_with_the_outputs_strides(monkeyp
     cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
     rope = REGISTRY.get("rope", "rotate_half").fn
     f = torch.compile(rope, backend=kernelgraft.Grafter("inductor"), dynamic=False)
-    with inductor_config.patch(force_disable_caches=True):
+    # the config's own patch: pytest's monkeypatch deletes a config entry on undo
+    older_guess = functorch_config.patch(guess_tangent_strides_as_outputs=False)
+    with older_guess, inductor_config.patch(force_disable_caches=True):
         y = f(q, cos, sin)
         g = torch.randn_like(y)
         (gq,) = torch.autograd.grad(y, (q,), g)

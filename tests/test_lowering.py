@@ -410,11 +410,10 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
     from kernelgraft.rewriter.lowering import launcher_kinds, static_launches
 
     made, refused = _stub_static_launcher(monkeypatch)
-    tuner = _tuner
 
-    mine, other = tuner("ours_fwd", "k1"), tuner("ours_bwd", refused)
-    theirs, no = tuner("theirs_fwd", "k2"), tuner("ours_fwd", "k3", th.HeuristicType.POINTWISE)
-    here = tuner("ours_fwd", None)
+    mine, other = _tuner("ours_fwd", "k1"), _tuner("ours_bwd", refused)
+    theirs, no = _tuner("theirs_fwd", "k2"), _tuner("ours_fwd", "k3", th.HeuristicType.POINTWISE)
+    here = _tuner("ours_fwd", None)
     here.compile_results = []  # no worker result: precompile compiles it in this process
     with static_launches():
         for t in (mine, other, theirs, no):
@@ -427,7 +426,7 @@ def test_static_launches_swap_only_kernelgrafts_kernels_results(monkeypatch):
     for t in (other, theirs, no):
         assert type(t.compile_results[0]) is th.TritonCompileResult
     # outside a kernelgraft compile, nothing is swapped
-    later = tuner("ours_fwd", "k4")
+    later = _tuner("ours_fwd", "k4")
     later.precompile()
     assert type(later.compile_results[0]) is th.TritonCompileResult
     # what a test or a profile reads back: kernelgraft's kernels only, each with its results' kinds

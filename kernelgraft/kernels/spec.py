@@ -187,7 +187,8 @@ def build_spec(
     val: dict = {}  # CNode -> SNode
     rotation = None
     halves = halves_of_pairs(g)  # (paired inputs, half-width inputs) or None
-    writer = paired_output(g) if halves is not None else None  # the node that writes the row
+    paired = paired_output(g)  # a cat or interleave that writes the row whole, or None
+    writer = paired if halves is not None else None  # the node that writes the pairs' rotation
     split = read_in_halves(g) or "pairs"
     reductions: list[Reduction] = []
     symbols: dict[str, sympy.Symbol] = {}
@@ -336,5 +337,5 @@ def build_spec(
         "deinterleave" if writer is not None and writer.op == "cat2" and split == "pairs" else "",
         frozenset(f"v_{a}" for a in halves[1]) if halves is not None else frozenset(),
         split,
-        fresh_out=paired_output(g) is not None,
+        fresh_out=paired is not None,
     )

@@ -157,7 +157,7 @@ class Grafter:
 
             extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
             lowering.keep_static_launches()
-        with tangents_laid_out_as_outputs():
+        with lowering.tangents_laid_out_as_outputs():
             return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
 
     def _fallback(self, stock: torch.fx.GraphModule, args):
@@ -182,21 +182,6 @@ class Grafter:
             yield
         finally:
             self._grafted_whole = False
-
-
-def tangents_laid_out_as_outputs():
-    """Inside the block, AOT autograd traces each output's incoming gradient with the output's own
-    strides (the default of newer torch releases, 2.13 among them; an option, off, in 2.11). Under
-    the older guess, contiguous,
-    every non-contiguous output - a rotation of HF's (batch, head, position) view of q, laid out
-    as q as eager lays it out - costs a copy of its gradient in every backward (on the H200, 0.23
-    ms of a RoPE fwd+bwd whose kernels take 0.27). A gradient laid out otherwise is still made to
-    match, as before."""
-    from torch._functorch import config as functorch_config
-
-    if not hasattr(functorch_config, "guess_tangent_strides_as_outputs"):
-        return contextlib.nullcontext()
-    return functorch_config.patch(guess_tangent_strides_as_outputs=True)
 
 
 class MaskChecked:

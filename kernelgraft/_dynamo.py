@@ -57,7 +57,11 @@ def capture_settings():
       (RMSNorm's eps) would no longer match; a float that changes between calls recompiles;
     - a logging statement in the model (transformers' `logger.warning_once` in `loss_function`, which
       splits GPT-2's graph between its LM head and its loss) is dropped, not a graph break:
-      the message is not printed while the model runs compiled.
+      the message is not printed while the model runs compiled;
+    - a Python side effect inside a checkpointed region (transformers' kernel-hub context variable,
+      set and reset again within one attention forward) runs once, in the forward, and is not
+      replayed by the backward's recompute: otherwise dynamo leaves every checkpointed decoder layer
+      out of the graph and none of its sites is served. Tensors are recomputed as before.
     Every forward of an optimized model runs inside it (any forward may capture): set with
     the config's closure patcher where torch has it (a few µs; `config.patch` took 40 µs a call)."""
     cfg = torch._dynamo.config
@@ -80,6 +84,8 @@ def _patcher(base: frozenset, logging_fns: frozenset):
     current set of ignored logging functions `base`."""
     cfg = torch._dynamo.config
     patch = dict(specialize_float=True)
+    if hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        patch["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     if _LOGGING_KEY is not None:
         patch[_LOGGING_KEY] = set(base) | logging_fns
     make = getattr(cfg, "_make_closure_patcher", None)

@@ -63,6 +63,50 @@ def test_gradient_checkpointing_regions_are_grafted(backend):
     assert mine.kernelgraft_report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}
 
 
+class _Scope:
+    """A library's per-call state, set and reset within one forward (transformers' kernel-hub context
+    variable does this in every attention forward)."""
+
+    active = None
+
+
+class _CheckpointedNorm(torch.nn.Module):
+    def __init__(self, n=64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(n))
+
+    def _body(self, x):
+        _Scope.active = self
+        try:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (self.weight * h.to(x.dtype)).sin()
+        finally:
+            _Scope.active = None
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False).sum()
+
+
+def test_a_checkpointed_region_that_sets_and_resets_python_state_is_grafted():
+    """Dynamo cannot replay a Python side effect in the backward's recompute and, by default, leaves
+    the checkpointed region out of the graph: none of its sites would be served. Under kernelgraft
+    the side effect runs once, in the forward (the state is reset when the call returns, as in eager)."""
+    torch.manual_seed(0)
+    stock = _CheckpointedNorm()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    want, got = stock(x), mine(x2)
+    want.backward()
+    got.backward()
+    assert [s.pattern for s in mine.kernelgraft_report.sites] == ["rms_norm"], str(mine.kernelgraft_report)
+    assert _Scope.active is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine.weight.grad, stock.weight.grad, rtol=1e-5, atol=1e-5)
+
+
 def _graph_with_a_recomputed_call():
     """x -> call (tagged for recompute) -> getitem -> three readers (a, b, c); c also reads z, which a
     node `late` makes; and a slice of the output read by d."""

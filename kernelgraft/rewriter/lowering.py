@@ -473,17 +473,8 @@ class PostGradPass(CustomGraphPass):
         from ..kernels.lm_head import op as lm_op  # import here: as above
         from ..kernels.rows import launch, layout, ops, tuning  # import here: as above
 
-        files = (
-            __file__,
-            recompute.__file__,
-            residual.__file__,
-            ops.__file__,
-            launch.__file__,
-            layout.__file__,
-            tuning.__file__,
-            lm_kernel.__file__,
-            lm_op.__file__,
-        )
+        mods = (recompute, residual, ops, launch, layout, tuning, lm_kernel, lm_op)
+        files = (__file__, *(m.__file__ for m in mods))
         return (
             get_hash_for_files(files + (str(tuning.TABLE_PATH),)),
             ops.ABI,

@@ -32,9 +32,13 @@ def _grad_storages(layer):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_k_v_and_gate_up_run_as_one_matmul_each_with_gradients_by_the_rule(dtype):
+    # judged over eight batches at once: a fused matmul sums in another order than the two it
+    # replaces, and in bf16 one tiny batch makes the loss and a norm weight's gradient a draw of the
+    # rounding (1.5x and 1.1x eager's error on some seeds and CPUs, 0.98x on others); over eight
+    # at most 1.01x
     stock = tiny_model("llama", dtype)
     grafted = kernelgraft.optimize(copy.deepcopy(stock))
-    verdicts = compare_models(grafted, stock, batch(), compiled=False)
+    verdicts = compare_models(grafted, stock, [batch(seed=1 + i) for i in range(8)], compiled=False)
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
     layers = stock.config.num_hidden_layers

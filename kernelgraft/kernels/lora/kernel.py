@@ -53,6 +53,46 @@ def {name}(x):
 """
 
 
+_SPLIT = """
+
+@triton.jit
+def _tf32(v):
+    # v rounded to the nearest TF32 value (10 mantissa bits, ties away from zero, as cvt.rna):
+    # exact in one TF32 pass; inf and NaN as they are
+    bits = v.to(tl.int32, bitcast=True)
+    near = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0x7F800000, v, near)
+
+
+@triton.jit
+def _split(v):
+    # (hi, lo), both exact in TF32: hi + lo is v to 2^-22 of it (lo rounded to TF32, as tf32x3's)
+    hi = _tf32(v)
+    return hi, tl.where(hi == v, 0.0, _tf32(v - hi))
+
+
+@triton.jit
+def _dot_exact_a(a, b, acc):
+    # acc + a @ b with a exact in TF32 (values of a 2-byte dtype): b in two TF32 parts, two passes
+    # (tf32x3's third, a's low part times b's high part, is zero here)
+    hi, lo = _split(b)
+    return tl.dot(a, hi, tl.dot(a, lo, acc, input_precision="tf32"), input_precision="tf32")
+
+
+@triton.jit
+def _dot_exact_b(a, b, acc):
+    # acc + a @ b with b exact in TF32: a in two TF32 parts, two passes
+    hi, lo = _split(a)
+    return tl.dot(hi, b, tl.dot(lo, b, acc, input_precision="tf32"), input_precision="tf32")
+"""
+
+
+def _exact_in_tf32(dtype: torch.dtype) -> bool:
+    """A value of `dtype` is exact in one TF32 pass (8 or 11 significant bits of TF32's 11, fp16's
+    exponents inside TF32's range)."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def kernel_source(
     name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3"
 ) -> str:
@@ -61,9 +101,33 @@ def kernel_source(
         qual="lora", dtypes=f"x: {xd}, adapters: {ad}", kinds="rows of x, rank columns", out=str(od)
     )
     rounders = _rounder("_r_a", ad) + _rounder("_r_p", pd) + _rounder("_r_o", od) + _rounder("_r_x", xd)
+    split = precision == "tf32x3"
+    # which products have one factor exact in TF32, and so take two passes instead of tf32x3's three:
+    # x's values (down, grad_a) where R_a keeps them (float32 adapters); the output's gradient
+    # (grad_u, grad_b) where R_p keeps it, the scaling then applied to the float32 sums (one
+    # float32 rounding of the sum instead of one of each product's factor: no less accurate)
+    x_exact = split and ad == torch.float32 and _exact_in_tf32(xd)
+    g_exact = split and pd == torch.float32 and _exact_in_tf32(od)
+
+    def dot(a: str, b: str, exact: str | None) -> str:
+        """`acc` plus a @ b as the kernel multiplies: `exact` names a factor exact in TF32."""
+        if exact is not None:
+            return f"_dot_exact_{exact}({a}, {b}, acc)"
+        return f'acc + tl.dot({a}, {b}, input_precision="{precision}")'
+
+    xt_f = "_r_a(xt.to(tl.float32))"
+    down_dot = dot(xt_f, "at.to(tl.float32)", "a" if x_exact else None)
+    grad_a_dot = dot("tl.trans(dut.to(tl.float32))", xt_f, "b" if x_exact else None)
+    gu = "_g(g_ptr, t, n, T, N, sg)" if g_exact else "_gv(g_ptr, t, n, T, N, sg, s)"
+    grad_u_dot = dot(gu, "bt.to(tl.float32)", "a" if g_exact else None)
+    gb = "tl.trans(_g(g_ptr, t, n, T, N, sg))" if g_exact else "tl.trans(_gv(g_ptr, t, n, T, N, sg, s))"
+    grad_b_dot = dot(gb, "ut.to(tl.float32)", "a" if g_exact else None)
+    # the scaling left out of the products above, applied to their sums
+    scaled = "\n    acc = acc * s" if g_exact else ""
     return (
         head
         + rounders
+        + (_SPLIT if x_exact or g_exact else "")
         + f'''
 
 @triton.jit
@@ -77,7 +141,7 @@ def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su,
         k = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
         at = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
-        acc += tl.dot(_r_a(xt.to(tl.float32)), at.to(tl.float32), input_precision="{precision}")
+        acc = {down_dot}
     tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc), mask=(t[:, None] < T) & (r[None, :] < R))
 
 
@@ -99,9 +163,14 @@ def {name}_up(o_ptr, base_ptr, u_ptr, b_ptr, s, T, N, R, so, sbase, su, sb,
 
 
 @triton.jit
-def _gv(g_ptr, t, n, T, N, sg, s):
+def _g(g_ptr, t, n, T, N, sg):
     g = tl.load(g_ptr + t[:, None] * sg + n[None, :], mask=(t[:, None] < T) & (n[None, :] < N), other=0.0)
-    return _r_a(_r_a(_r_p(g.to(tl.float32))) * s)
+    return _r_a(_r_p(g.to(tl.float32)))
+
+
+@triton.jit
+def _gv(g_ptr, t, n, T, N, sg, s):
+    return _r_a(_g(g_ptr, t, n, T, N, sg) * s)
 
 
 @triton.jit
@@ -117,7 +186,7 @@ def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
     for n0 in range(lo, lo + cols, BN):
         n = n0 + tl.arange(0, BN)
         bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-        acc += tl.dot(_gv(g_ptr, t, n, T, N, sg, s), bt.to(tl.float32), input_precision="{precision}")
+        acc = {grad_u_dot}{scaled}
     m = (t[:, None] < T) & (r[None, :] < R)
     if SPLIT:
         tl.store(du_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
@@ -137,7 +206,7 @@ def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
     for t0 in range(lo, lo + rows, BT):
         t = t0 + tl.arange(0, BT)
         ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
-        acc += tl.dot(tl.trans(_gv(g_ptr, t, n, T, N, sg, s)), ut.to(tl.float32), input_precision="{precision}")
+        acc = {grad_b_dot}{scaled}
     out = part_ptr + tl.program_id(1) * N * R + n[:, None] * R + r[None, :]
     tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
 
@@ -154,7 +223,7 @@ def {name}_grad_a(du_ptr, x_ptr, part_ptr, T, K, R, sdu, sx, rows,
         t = t0 + tl.arange(0, BT)
         dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
-        acc += tl.dot(tl.trans(dut.to(tl.float32)), _r_a(xt.to(tl.float32)), input_precision="{precision}")
+        acc = {grad_a_dot}
     out = part_ptr + tl.program_id(1) * R * K + r[:, None] * K + k[None, :]
     tl.store(out, acc, mask=(r[:, None] < R) & (k[None, :] < K))
 
@@ -195,8 +264,11 @@ def precision(ad: torch.dtype) -> str:
     du / gv, rounded to the adapters' dtype. A bf16 or fp16 value is exact in TF32 (8 or 10
     mantissa bits of TF32's 10, fp16's exponent inside TF32's range): one TF32 pass multiplies
     exactly. A float32 value is split in a TF32 high part and a TF32 low part: three passes
-    (hi*hi + hi*lo + lo*hi) leave out only lo*lo, 2^-22 below the product; x in bf16/fp16 has no
-    low part at all. The sums are float32, as IEEE's. (The interpreter multiplies in float32.)"""
+    (hi*hi + hi*lo + lo*hi) leave out only lo*lo, 2^-22 below the product. Where one factor is
+    exact in TF32 (x's values, or the output's gradient, in bf16/fp16 with float32 adapters) it
+    has no low part, and the kernels split the other factor themselves: two passes, the same
+    products (kernel_source). The sums are float32, as IEEE's. (The interpreter multiplies in
+    float32: there the split leaves each product 2^-22 of it off, as on the GPU.)"""
     return "tf32x3" if ad == torch.float32 else "tf32"
 
 

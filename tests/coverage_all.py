@@ -634,20 +634,22 @@ def table(rows: list[dict]) -> str:
 
 def updated(old: str, rows: list[dict]) -> str:
     """The README's table `old` with the rows of `rows` in place of theirs, the other rows as they
-    are, its counts made anew (`--update`: some architectures surveyed again)."""
+    are, its counts made anew (`--update`: some architectures surveyed again, or new in the
+    installed transformers: those take their place in the order of the names)."""
     new = {r["arch"]: _row_line(r) for r in rows}
-    lines, kept = [], []
+    by_arch = {}
     for line in old.splitlines():
         cells = [c.strip() for c in line.strip("|").split(" | ")] if line.startswith("| ") else []
         if len(cells) < 8 or cells[0] == "architecture":
             continue
-        arch = cells[0].removesuffix(_REPAIRED)
-        line = new.pop(arch, line)
+        by_arch[cells[0].removesuffix(_REPAIRED)] = line
+    by_arch.update(new)
+    lines, kept = [], []
+    for arch in sorted(by_arch):
+        line = by_arch[arch]
         cells = [c.strip() for c in line.strip("|").split(" | ")]
         lines.append(line)
         kept.append(dict(status=cells[1], repaired=cells[0].endswith(_REPAIRED), grads=cells[-1]))
-    if new:
-        raise SystemExit(f"not in the README's table: {', '.join(new)}")
     return "\n".join(_head(kept) + lines)
 
 

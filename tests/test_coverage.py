@@ -238,7 +238,8 @@ def test_the_survey_repairs_a_tiny_config_and_counts_only_checked_gradients():
 
 def test_the_survey_table_takes_rows_surveyed_again():
     """`coverage_all.py --write --update arch...`: the README table with those rows replaced, the
-    others kept as they are, the first line's counts made anew."""
+    others kept as they are, an architecture new in the installed transformers added in the order
+    of the names, the first line's counts made anew."""
     import coverage_all
 
     def row(arch, status, repaired=False):
@@ -255,5 +256,6 @@ def test_the_survey_table_takes_rows_surveyed_again():
         ["| a", "partial"], ["| b (repaired config)", "full"], ["| c", "full"]
     ]
     assert lines[-3] == old.splitlines()[-3] and lines[-1] == old.splitlines()[-1]
-    with pytest.raises(SystemExit, match="not in the README's table: d"):
-        coverage_all.updated(old, [row("d", "full")])
+    added = coverage_all.updated(new, [row("bb", "full"), row("0", "partial")]).splitlines()
+    assert added[0].startswith("3 of 5 causal-LM architectures fully served (5 built")
+    assert [ln.split(" | ")[0] for ln in added[-5:]] == ["| 0", "| a", "| b (repaired config)", "| bb", "| c"]

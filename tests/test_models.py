@@ -42,6 +42,10 @@ def test_explain_counts_every_rms_norm_the_model_calls(arch, per_layer):
     if arch == "qwen3":
         q = next(s for s in rep.sites if s.module == "model.layers.0.self_attn.q_norm")
         assert q.shapes["x"][-2:] == (model.config.num_attention_heads, model.config.head_dim)
+    # a rotation is its attention layer's, however transformers calls its helper (5.25 calls it
+    # through a kernel-hub module held in a global)
+    rope = sorted({s.module for s in rep.sites if s.pattern == "rope"})
+    assert rope == [f"model.layers.{i}.self_attn" for i in range(L)], str(rep)
     text = str(rep)
     assert f"{len(rep.sites)} site(s) replaced" in text and "model.layers.0.input_layernorm" in text
     # explain leaves the model as it was
@@ -60,3 +64,15 @@ def test_inductor_backend_llama():
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
     assert grafted.kernelgraft_report.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+
+
+def test_a_module_reached_through_a_global_is_not_a_sites_module():
+    from kernelgraft.rewriter.report import own_modules
+
+    stack = {
+        "a": ("L['self'].model.layers[0].self_attn", object),
+        "b": ("G['__import_m'].apply_rotary_pos_emb", object),
+    }
+    assert [p for p, _ in own_modules(stack)] == ["L['self'].model.layers[0].self_attn"]
+    only = {"b": ("G['__import_m'].apply_rotary_pos_emb", object)}
+    assert own_modules(only) == list(only.values()) and own_modules(None) == []

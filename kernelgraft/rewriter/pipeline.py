@@ -28,7 +28,7 @@ from . import projections as _projections
 from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
 from .replace import argument_nodes, insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
-from .report import RewriteReport, Unserved, readable_path
+from .report import RewriteReport, Unserved, own_modules, readable_path
 
 
 @dataclass
@@ -184,8 +184,8 @@ def unserved(g: Graft) -> None:
             seen.append(op)
 
     for c in g.canonical.nodes:
-        stack = c.fx.meta.get("nn_module_stack") if c.fx is not None else None
-        for path, cls in (stack or {}).values():
+        stack = own_modules(c.fx.meta.get("nn_module_stack") if c.fx is not None else None)
+        for path, cls in stack:
             if (path, cls) not in modules:
                 name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
                 kind = _module_kind(name)
@@ -195,7 +195,7 @@ def unserved(g: Graft) -> None:
                 computes(key, c)
         helper = _rotary_helper(c.fx)
         if helper is not None:  # under the innermost module that calls it
-            inner = list((stack or {}).values())[-1][0] if stack else ""
+            inner = stack[-1][0] if stack else ""
             computes((readable_path(inner), helper, "rope"), c)
     for (path, name, kind), inside in ops.items():
         within = [(m, p) for m, p in records if m == path or m.startswith(path + ".")]

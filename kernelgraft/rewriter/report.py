@@ -15,10 +15,21 @@ _PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
 
 def module_path(fx_node) -> str:
     """'model.layers.0.input_layernorm' for a node dynamo traced inside that module."""
-    stack = fx_node.meta.get("nn_module_stack") if fx_node is not None else None
+    stack = own_modules(fx_node.meta.get("nn_module_stack") if fx_node is not None else None)
     if not stack:
         return "<top>"
-    return readable_path(list(stack.values())[-1][0])
+    return readable_path(stack[-1][0])
+
+
+def own_modules(stack) -> list[tuple]:
+    """The (dynamo's path, class) entries of an nn_module_stack, outermost first, that the traced
+    frame reached from its locals (the model and its submodules: "L['self'].model.layers[0]"): a
+    module reached through a global is left out, as transformers' kernel-hub wrapper of a function
+    (`apply_rotary_pos_emb` made a module) is, so a site stays its calling layer's. All entries
+    where none is a local's."""
+    entries = list((stack or {}).values())
+    own = [e for e in entries if str(e[0]).startswith("L[")]
+    return own or entries
 
 
 def example_value(n):

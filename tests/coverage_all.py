@@ -102,7 +102,7 @@ def expected(model, b) -> dict:
             return "rope"
         if ("MLP" in n or "Mlp" in n) and gated(m):
             return "gated_mlp"
-        if n.endswith("Experts"):
+        if n.endswith("Experts") and getattr(m, "has_gate", True):  # transformers' experts say if gated
             return "gated_mlp"
         return None
 

@@ -158,11 +158,13 @@ def variance(b, n: torch.fx.Node, args, kwargs) -> CNode:
 
 
 def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
-    """F.rms_norm (nn.RMSNorm) without a weight, over the last dim -> its primitives: x read in
-    float32, x * rsqrt(mean(x^2) + eps), one rounding to x's dtype (eps None: the epsilon of the
-    dtype it computes in, float32 for bf16/fp16 input).
-    With a weight PyTorch's rounding depends on the device (a fused kernel on CUDA multiplies in
-    float32, the composite rounds first): left opaque there."""
+    """F.rms_norm (nn.RMSNorm) over the last dim -> its primitives: x read in float32,
+    x * rsqrt(mean(x^2) + eps), times the weight where there is one, one rounding to x's dtype (eps
+    None: the epsilon of the dtype it computes in, float32 for bf16/fp16 input).
+    With a weight PyTorch's rounding depends on the device where x or the weight is 2-byte (a
+    fused kernel on CUDA multiplies in float32, the composite rounds first): left opaque there. A
+    float32 x and weight (a model's `F.rms_norm(x.float(), shape, w.float(), eps)`, cast back
+    afterwards) round nowhere but in float32 on either path: decomposed."""
     bound = dict(zip(("input", "normalized_shape", "weight", "eps"), args))
     bound.update(kwargs)
     x, w, eps = bound.get("input"), bound.get("weight"), bound.get("eps")
@@ -171,18 +173,23 @@ def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
         # PyTorch's default: the epsilon of the dtype it computes in (float32 for bf16/fp16 input)
         eps = torch.finfo(torch.promote_types(meta.dtype, torch.float32)).eps
     eps_ok = _is_number(eps) or (isinstance(eps, CNode) and eps.op == "input")
-    if (
-        w is not None
-        or not isinstance(x, CNode)
-        or not eps_ok
-        or not _over_last_dim(bound.get("normalized_shape"), x)
-    ):
+    wm = w.meta if isinstance(w, CNode) else None
+    weight_ok = w is None or (
+        isinstance(wm, torch.Tensor)
+        and isinstance(meta, torch.Tensor)
+        and wm.dtype == meta.dtype == torch.float32
+        and wm.dim() == 1
+        and wm.shape[0] == meta.shape[-1]
+    )
+    if not isinstance(x, CNode) or not eps_ok or not weight_ok or not _over_last_dim(bound.get("normalized_shape"), x):
         return b.new("opaque:rms_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
     out = n.meta.get("example_value")
     out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
     d = _Decomposed(b, meta)
     h = d.cast(x, torch.float32)
     y = d.binary("mul", h, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", h)), eps)))
+    if w is not None:
+        y = d.binary("mul", y, w)
     return b.new("cast", (y, out_dtype), fx=n)
 
 

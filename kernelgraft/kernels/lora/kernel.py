@@ -120,8 +120,7 @@ def kernel_source(
     grad_a_dot = dot("tl.trans(dut.to(tl.float32))", xt_f, "b" if x_exact else None)
     gu = "_g(g_ptr, t, n, T, N, sg)" if g_exact else "_gv(g_ptr, t, n, T, N, sg, s)"
     grad_u_dot = dot(gu, "bt.to(tl.float32)", "a" if g_exact else None)
-    gb = "tl.trans(_g(g_ptr, t, n, T, N, sg))" if g_exact else "tl.trans(_gv(g_ptr, t, n, T, N, sg, s))"
-    grad_b_dot = dot(gb, "ut.to(tl.float32)", "a" if g_exact else None)
+    grad_b_dot = dot(f"tl.trans({gu})", "ut.to(tl.float32)", "a" if g_exact else None)
     # the scaling left out of the products above, applied to their sums
     scaled = "\n    acc = acc * s" if g_exact else ""
     return (

@@ -86,6 +86,31 @@ def test_the_op_passes_the_rule_on_a_gpu(sp, xd, ad, r):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize(
+    "xd,ad,od",
+    [(BF16, F32, BF16), (F16, F32, F16), (F32, F32, F32), (BF16, BF16, BF16)],
+    ids=["bf16-f32adapters", "f16-f32adapters", "f32", "bf16"],
+)
+def test_no_tensor_core_pass_adds_into_a_running_sum(xd, ad, od):
+    """Every tensor-core product starts from zero and its result is added to the loop's float32 sum
+    outside the dot: a dot given the running sum as its accumulator adds into it on the tensor core,
+    which rounds coarser than float32 (on an H200 that made dA and dB 20x less accurate than eager
+    over 1000 rows; the interpreter computes such a dot exactly, so only this and the GPU test above
+    can see it). Read from the generated source, every variant of it."""
+    import ast
+
+    from kernelgraft.kernels.lora import kernel as lk
+
+    tree = ast.parse(lk.kernel_source("k", xd, ad, od))
+    dots = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.dot"]
+    assert dots
+    for d in dots:
+        given = [ast.unparse(a) for a in d.args[2:]] + [
+            ast.unparse(k.value) for k in d.keywords if k.arg == "acc"
+        ]
+        assert all(g.startswith("tl.dot(") for g in given), ast.unparse(d)
+
+
 def test_the_largest_rank_is_served_and_a_larger_one_refused():
     x, res, a, b, s = _args(9, 40, 24, 256, BF16, F32, BF16)
     assert all(v.ok for v in check_spelling(PEFT, (x, res, a, b, s), compile_ref=False))

@@ -865,24 +865,35 @@ def main(argv=None) -> int:
         # Liger patches transformers' modules for the rest of the process: its runs come last
         modes = names(a.modes)
 
-        def modes_of(shape):  # the shape's own extra modes (the host-bound shape: CUDA graphs) unless --modes names them
+        # the shape's own extra modes (the host-bound shape: CUDA graphs) unless --modes names them
+        def modes_of(shape):
             extra = [] if a.modes != ap.get_default("modes") else list(SHAPES[shape].get("extra_modes", ()))
             return [m for m in modes if m != "liger"] + extra + (["liger"] if "liger" in modes else [])
 
         order = [(m, sh) for sh in doc["steps"] for m in modes_of(sh) if m != "liger"]
         order += [("liger", sh) for sh in doc["steps"] if "liger" in modes]
         if a.turns:
+            apart = []  # shapes whose modes' models do not fit on the card together: one after another
             for shape in doc["steps"]:
                 try:
                     doc["steps"][shape] = measure_steps_in_turns(shape, modes_of(shape), a.steps)
+                except torch.cuda.OutOfMemoryError:
+                    print(
+                        f"{shape}: the modes' models do not fit on the card together; measuring them "
+                        "one after another in this process (no paired rounds)",
+                        flush=True,
+                    )
+                    apart.append(shape)
                 except Exception as e:  # noqa: BLE001 - reported in the table
                     traceback.print_exc()
-                    doc["steps"][shape] = {m: dict(error=f"{type(e).__name__}: {e}"[:300]) for m in modes_of(shape)}
+                    doc["steps"][shape] = {
+                        m: dict(error=f"{type(e).__name__}: {e}"[:300]) for m in modes_of(shape)
+                    }
                 print(shape, doc["steps"][shape], flush=True)
                 gc.collect()
                 torch.cuda.empty_cache()
                 save()
-            order = []
+            order = [(m, sh) for m, sh in order if sh in apart]
         for mode, shape in order:
             try:
                 r = measure_step(shape, mode, a.steps)

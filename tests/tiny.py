@@ -73,6 +73,26 @@ def tiny_model(arch: str, dtype=torch.float32, seed: int = 0, layers: int = 2, d
     return m.to(device=device, dtype=dtype)
 
 
+def kept_in_float32(m):
+    """m with the parameters and buffers its class keeps in float32 (`_keep_in_fp32_modules` and
+    `_keep_in_fp32_modules_strict`, names searched in the parameter's name, as transformers'
+    from_pretrained(dtype=...) matches them) made float32 again after a cast of the whole model:
+    a model whose own code needs them there (a router that multiplies float32 activations)."""
+    import re
+
+    keep = [
+        *(getattr(m, "_keep_in_fp32_modules", None) or []),
+        *(getattr(m, "_keep_in_fp32_modules_strict", None) or []),
+    ]
+    if keep:
+        found = re.compile("|".join(re.escape(k) for k in keep))
+        with torch.no_grad():
+            for name, t in [*m.named_parameters(), *m.named_buffers()]:
+                if found.search(name) and t.is_floating_point():
+                    t.data = t.data.float()
+    return m
+
+
 def batch(seed: int = 1, B: int = 2, S: int = 12, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (B, S), generator=g).to(device)

@@ -5,12 +5,14 @@ and saves only its inputs. Spellings by activation (each model family's ACT2FN e
 silu (Llama, Mistral, Qwen, Phi-3, Granite, OLMo-2, Mixtral), gelu_tanh (Gemma family), exact gelu,
 relu squared. `up * act(gate)` matches too (products commute), which also covers Phi-3's fused
 gate_up_proj + chunk, where gate and up are strided halves of one tensor.
+softcapped_silu: in float32, the gate's and up's factors each bounded by a softcap (tanh(v / c) * c)
+while the sigmoid sees the raw gate, rounded once at the end (Inkling 2's experts).
 """
 
 import torch
 import torch.nn.functional as F
 
-from .registry import dtype_check, pattern
+from .registry import Scalar, dtype_check, pattern
 
 
 @pattern("gated_mlp", spelling="silu", extra_check=dtype_check, recompute=True)
@@ -31,3 +33,20 @@ def gated_gelu(gate, up):
 @pattern("gated_mlp", spelling="relu2", extra_check=dtype_check, recompute=True)
 def gated_relu2(gate, up):
     return torch.square(F.relu(gate)) * up
+
+
+def _example_caps(rows, n, dtype, g):
+    """gate and up (rows, n), and Inkling 2's default caps (4 for the gate, 25 for up)."""
+    gate = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(rows, n, generator=g).to(dtype).requires_grad_()
+    return {"gate": gate, "up": up, "gate_cap": 4.0, "up_cap": 25.0}
+
+
+@pattern(
+    "gated_mlp", spelling="softcapped_silu", extra_check=dtype_check, example=_example_caps, recompute=True
+)
+def gated_softcapped_silu(gate, up, gate_cap: Scalar, up_cap: Scalar):
+    g, u = gate.float(), up.float()
+    return (torch.tanh(g / gate_cap) * gate_cap * torch.sigmoid(g) * (torch.tanh(u / up_cap) * up_cap)).to(
+        gate.dtype
+    )

@@ -96,6 +96,12 @@ class Match:
     withheld: list = field(default_factory=list)  # covered fx nodes the graph returns (may_withhold)
 
 
+def _has_dtype(m, dt) -> bool:
+    """m is a model value whose recorded dtype is the literal dtype dt."""
+    meta = m.meta if isinstance(m, CNode) else None
+    return isinstance(dt, torch.dtype) and meta is not None and meta.dtype == dt
+
+
 def _is_number(a) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool)
 
@@ -178,6 +184,16 @@ class Matcher:
             # taking rows is optional: the model's value may be rows already (2-D logits)
             yield from self.unify(p.args[0], m, st)
             return
+        if p.op == "cast" and _has_dtype(m, p.args[1]):
+            # a cast to the dtype the model's value already has computes nothing: the pattern's
+            # `x.float()` meets a float32 value as the cast of a 2-byte x, or as x itself (the
+            # model made it float32 before, and casts it again, or not)
+            yield from self._unify_op(p, m, st)
+            yield from self.unify(p.args[0], m, st)
+            return
+        yield from self._unify_op(p, m, st)
+
+    def _unify_op(self, p, m, st: _State) -> Iterator[_State]:
         if not isinstance(m, CNode) or m.op != p.op or m.attrs != p.attrs:
             self._fail(st, p, m, f"expected {describe(p)}, got {describe(m)}")
             return

@@ -65,7 +65,14 @@ def tiny_model(arch: str, dtype=torch.float32, seed: int = 0, layers: int = 2, d
     torch.manual_seed(seed)
     cfg = tiny_config(arch, layers)
     cfg._attn_implementation = "sdpa" if arch not in ("gemma2",) else "eager"
-    m = AutoModelForCausalLM.from_config(cfg)
+    try:
+        m = AutoModelForCausalLM.from_config(cfg)
+    except ValueError as e:  # an architecture without SDPA (Bloom): its eager attention
+        if "attention implementation" not in str(e):
+            raise
+        torch.manual_seed(seed)
+        cfg._attn_implementation = "eager"
+        m = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # Gemma initializes norm weights to 0 (it uses 1 + w): perturb every norm
         for n, p in m.named_parameters():
             if "norm" in n:

@@ -58,11 +58,23 @@ def layer_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
         y = d.binary("mul", y, d.cast(w, torch.float32))
     if isinstance(bias, CNode):
         y = d.binary("add", y, d.cast(bias, torch.float32))
-    if out_dtype == torch.float32 and x.op == "cast" and x.args[1] == torch.float32:
+    if out_dtype == torch.float32 and _float32_copy(x):
         # the norm of a float32 copy (OLMo: F.layer_norm(x.float(), ...).to(x.dtype)) ends in float32
         # with no cast of its own: the model's cast back is the one the pattern's final cast meets
         return b.alias(n, y)
     return b.new("cast", (y, out_dtype), fx=n)
+
+
+def _float32_copy(x: CNode) -> bool:
+    """x is a cast to float32 of a value that is not float32 already (of a pattern's input, whose
+    dtype is not known, too). Not the output of another norm in a float32 model, which ends in a
+    cast to float32 that changes nothing: a LayerNorm of a LayerNorm (Bloom's embedding norm, then
+    its first layer's) keeps its own final cast, the site's output."""
+    if x.op != "cast" or x.args[1] != torch.float32:
+        return False
+    src = x.args[0]
+    meta = src.meta if isinstance(src, CNode) else None
+    return meta is None or meta.dtype != torch.float32
 
 
 def _is_number(a) -> bool:

@@ -206,14 +206,10 @@ class OverTheUnitDim(nn.Module):
 
 
 def test_a_size_1_view_stays_a_view_where_an_op_reads_another_dim():
-    """Not read as a LayerNorm (its mean is over the unit dim, not the row); what follows the
-    centering is an RMS norm of c over the row, and is served as one (c is float32: the pattern's
-    x.float() is c itself)."""
     x = torch.randn(4, 8, 64)
     mine = kernelgraft.optimize(OverTheUnitDim(), backend="eager")
     assert torch.allclose(mine(x), OverTheUnitDim()(x), rtol=1e-6)
-    sites = [(s.pattern, s.spelling, s.shapes["x"]) for s in mine.kernelgraft_report.sites]
-    assert sites == [("rms_norm", "no_weight", (4, 8, 1, 64))], str(mine.kernelgraft_report)
+    assert not mine.kernelgraft_report.sites, str(mine.kernelgraft_report)
 
 
 def test_a_module_named_for_a_norm_it_holds_is_not_reported_as_a_norm():
@@ -310,9 +306,9 @@ def test_a_clamped_norm_at_its_bound_passes_the_gradient_as_autograd_does():
 def test_a_norm_of_a_value_the_model_made_float32_is_served_in_bf16():
     """A bf16 model that casts a value up itself and normalizes it in float32 (Inkling 2's block
     residual: cat, .float(), then a weightless norm whose own .float() and .to(input dtype) are
-    casts to the dtype the value has): the pattern's `x.float()` meets that value as x itself
-    (a cast to the dtype a value already has computes nothing), so no_weight serves it, in float32
-    with nothing rounded back, by the rule."""
+    casts to the dtype the value has): the pattern's `x.float()` meets the model's cast as that
+    cast's value (a cast of a cast to the same dtype is one cast), so no_weight serves it, in
+    float32 with nothing rounded back, by the rule."""
 
     class StackedNorm(nn.Module):
         def forward(self, a, b):

@@ -96,10 +96,9 @@ class Match:
     withheld: list = field(default_factory=list)  # covered fx nodes the graph returns (may_withhold)
 
 
-def _has_dtype(m, dt) -> bool:
-    """m is a model value whose recorded dtype is the literal dtype dt."""
-    meta = m.meta if isinstance(m, CNode) else None
-    return isinstance(dt, torch.dtype) and meta is not None and meta.dtype == dt
+def _cast_to(m, dt) -> bool:
+    """m is a model's cast to the literal dtype dt."""
+    return isinstance(dt, torch.dtype) and isinstance(m, CNode) and m.op == "cast" and m.args[1] == dt
 
 
 def _is_number(a) -> bool:
@@ -184,10 +183,13 @@ class Matcher:
             # taking rows is optional: the model's value may be rows already (2-D logits)
             yield from self.unify(p.args[0], m, st)
             return
-        if p.op == "cast" and _has_dtype(m, p.args[1]):
-            # a cast to the dtype the model's value already has computes nothing: the pattern's
-            # `x.float()` meets a float32 value as the cast of a 2-byte x, or as x itself (the
-            # model made it float32 before, and casts it again, or not)
+        if p.op == "cast" and _cast_to(m, p.args[1]):
+            # a cast of a cast to the same dtype is that cast (x.float().float() is x.float()): the
+            # pattern's `x.float()` meets the model's own cast to float32 as that cast, its input x,
+            # or as x itself, the model's float32 value (a bf16 model that made the value float32
+            # before the norm, whose own .float() then changes nothing), tried second. Only a model
+            # cast: a float32 value the model computed otherwise stays x (a float32 model keeps the
+            # spellings without casts)
             yield from self._unify_op(p, m, st)
             yield from self.unify(p.args[0], m, st)
             return

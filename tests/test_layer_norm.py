@@ -148,6 +148,30 @@ def test_a_norm_nothing_resembles_is_reported_with_what_it_computes():
     assert "not served, nothing close (1):" in str(rep) and "norm (MaxNorm, a norm)" in str(rep)
 
 
+def test_a_composite_norm_left_unserved_is_reported_with_its_primitives():
+    """F.layer_norm of a float32 copy used as float32 (no cast back, so no site ends where the
+    patterns end): the report lists what the module computes, the composite's primitives included,
+    not only the cast before it."""
+
+    class Float32Norm(torch.nn.Module):
+        def forward(self, x):
+            return F.layer_norm(x.float(), (x.shape[-1],), None, None, 1e-5)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = Float32Norm()
+
+        def forward(self, x):
+            return self.norm(x).cos().mean()
+
+    rep = kernelgraft.explain(Block(), torch.randn(2, 5, 32).bfloat16())
+    assert "layer_norm" not in rep.counts(), str(rep)
+    (u,) = rep.unserved
+    assert (u.module, u.cls, u.kind) == ("norm", "Float32Norm", "norm")
+    assert u.reason.endswith("it computes cast, mean, sub, square, add, rsqrt, mul"), u.reason
+
+
 class HeadNorm(torch.nn.Module):
     """A norm over each head's columns written with var (xLSTM's multi-head norm), the weight over
     all heads applied after the heads are joined."""

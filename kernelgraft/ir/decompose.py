@@ -48,7 +48,7 @@ def layer_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
         return b.new("opaque:layer_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
     out = n.meta.get("example_value")
     out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
-    d = _Decomposed(b, x.meta)
+    d = _Decomposed(b, x.meta, n)
     h = d.cast(x, torch.float32)
     centered = d.binary("sub", h, d.row_mean(h))
     y = d.binary(
@@ -86,11 +86,21 @@ class _Decomposed:
     example value (from the input's, in a model graph) and how to make it as an fx node, should a
     site need it as an argument."""
 
-    def __init__(self, b, like):  # b: the canonicalizer's builder (its nodes, in order)
-        self.b, self.like = b, like
+    def __init__(self, b, like, origin=None):  # b: the canonicalizer's builder (its nodes, in order)
+        self.b, self.like, self.origin = b, like, origin  # origin: the composite's fx node
 
     def _node(self, op, args, attrs, value, make) -> CNode:
-        c = CNode(op, tuple(args), tuple(attrs), None, [], name=f"{op}_decomposed", value=value, make=make)
+        c = CNode(
+            op,
+            tuple(args),
+            tuple(attrs),
+            None,
+            [],
+            name=f"{op}_decomposed",
+            value=value,
+            make=make,
+            origin=self.origin,
+        )
         self.b.nodes.append(c)
         apply_rules(self.b.nodes, c)
         return c
@@ -164,7 +174,7 @@ def variance(b, n: torch.fx.Node, args, kwargs) -> CNode:
     last = isinstance(meta, torch.Tensor) and dim in (-1, (-1,), [-1], meta.dim() - 1, (meta.dim() - 1,))
     if not (last and biased and bound.get("keepdim") and meta.dtype == torch.float32):
         return b.new("opaque:var", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
-    d = _Decomposed(b, meta)
+    d = _Decomposed(b, meta, n)
     deviation = d.unary("square", d.binary("sub", x, d.row_mean(x)))
     return b.new("mean", (deviation,), (("dims", (-1,)), ("keepdim", True)), fx=n)
 
@@ -193,11 +203,16 @@ def rms_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
         and wm.dim() == 1
         and wm.shape[0] == meta.shape[-1]
     )
-    if not isinstance(x, CNode) or not eps_ok or not weight_ok or not _over_last_dim(bound.get("normalized_shape"), x):
+    if (
+        not isinstance(x, CNode)
+        or not eps_ok
+        or not weight_ok
+        or not _over_last_dim(bound.get("normalized_shape"), x)
+    ):
         return b.new("opaque:rms_norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
     out = n.meta.get("example_value")
     out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
-    d = _Decomposed(b, meta)
+    d = _Decomposed(b, meta, n)
     h = d.cast(x, torch.float32)
     y = d.binary("mul", h, d.unary("rsqrt", d.binary("add", d.row_mean(d.unary("square", h)), eps)))
     if w is not None:
@@ -219,12 +234,13 @@ def vector_norm(b, n: torch.fx.Node, args, kwargs) -> CNode:
     meta = x.meta if isinstance(x, CNode) else None
     rank = meta.dim() if isinstance(meta, torch.Tensor) else None
     last = dim in (-1, (-1,), [-1]) or (rank is not None and dim in (rank - 1, (rank - 1,), [rank - 1]))
-    if not (isinstance(x, CNode) and p in (2, 2.0, "fro") and last and bound.get("keepdim")) or bound.get(
-        "dtype"
-    ) is not None:
+    if (
+        not (isinstance(x, CNode) and p in (2, 2.0, "fro") and last and bound.get("keepdim"))
+        or bound.get("dtype") is not None
+    ):
         return b.new("opaque:norm", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
     out = n.meta.get("example_value")
     out_dtype = out.dtype if isinstance(out, torch.Tensor) else DtypeOf(x)
-    d = _Decomposed(b, meta)
+    d = _Decomposed(b, meta, n)
     root = d.unary("sqrt", d.row_sum(d.unary("square", d.cast(x, torch.float32))))
     return b.new("cast", (root, out_dtype), fx=n)

@@ -31,6 +31,9 @@ class CNode:
     # inserts now (fx_of: a canonical node -> the fx node that holds its value)
     value: torch.Tensor | None = None
     make: object = None
+    # the fx node of the composite op whose primitive this is (F.layer_norm's mean, rsqrt...): where
+    # the model called it, for the report of what a module computes
+    origin: torch.fx.Node | None = None
 
     @property
     def meta(self):

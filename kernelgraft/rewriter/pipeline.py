@@ -184,7 +184,8 @@ def unserved(g: Graft) -> None:
             seen.append(op)
 
     for c in g.canonical.nodes:
-        stack = own_modules(c.fx.meta.get("nn_module_stack") if c.fx is not None else None)
+        at = c.fx if c.fx is not None else c.origin  # a composite's primitive: where it was called
+        stack = own_modules(at.meta.get("nn_module_stack") if at is not None else None)
         for path, cls in stack:
             if (path, cls) not in modules:
                 name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]

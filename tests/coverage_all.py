@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from tiny import VOCAB, batch, compare_models, kept_in_float32, tiny_config, tiny_model
+from tiny import VOCAB, batch, compare_models, kept_in_float32, tiny_model
 
 from kernelgraft.kernels import fallback
 
@@ -406,23 +406,13 @@ def _from_config(cfg, dtype, cls=None):
     return m.to(dtype=dtype)
 
 
-def _tiny(arch: str, dtype=torch.float32):
-    """tests/tiny.py's tiny model; eager attention where the architecture has no SDPA."""
-    try:
-        return tiny_model(arch, dtype)
-    except ValueError as e:
-        if "attention implementation" not in str(e):
-            raise
-    return _from_config(tiny_config(arch), dtype)
-
-
 def _run(arch: str):
     """The first way that builds and runs the tiny model on batch(): tests/tiny.py's config, else
     repaired_config(arch). (how, build(dtype) -> model, model, expected sites, explain report), or
     the exception of the last way tried."""
     import kernelgraft
 
-    ways = [("tiny", lambda dtype: _tiny(arch, dtype)), ("repaired", lambda dtype: _repaired(arch, dtype))]
+    ways = [("tiny", lambda dtype: tiny_model(arch, dtype)), ("repaired", lambda dtype: _repaired(arch, dtype))]
     for how, build in ways:
         try:
             with warnings.catch_warnings():

@@ -91,15 +91,7 @@ class _Decomposed:
 
     def _node(self, op, args, attrs, value, make) -> CNode:
         c = CNode(
-            op,
-            tuple(args),
-            tuple(attrs),
-            None,
-            [],
-            name=f"{op}_decomposed",
-            value=value,
-            make=make,
-            origin=self.origin,
+            op, tuple(args), tuple(attrs), name=f"{op}_decomposed", value=value, make=make, origin=self.origin
         )
         self.b.nodes.append(c)
         apply_rules(self.b.nodes, c)

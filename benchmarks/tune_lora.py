@@ -3,17 +3,18 @@ output, float32 adapters: peft's default on a bf16 model), for the (width in, wi
 Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192->2048):
 
     ops       fwd+bwd ms of the adapter path (`triton.testing.do_bench`): eager (peft's spelling:
-              x cast to float32, float32 matmuls), torch.compile of it, kernelgraft's kernels
+              x cast to float32, float32 matmuls), torch.compile of it, kernelgraft's kernels (and
+              with du and dB apart: grad_u and grad_b each reading the output's gradient)
     accuracy  the error of the output and of the x, A and B gradients against float64 truth, beside
               eager's and torch.compile's, and the accuracy rule's verdict (one shape, 4096 rows)
     tiles     every kernel's device time for each (rows, columns, warps, stages) tile of
-              32/64/128 x 64/128 x 4/8 x 2/3/4 (Triton's pipelining depth), next to the table's
+              32/64/128 x 64/128/256 x 4/8 x 2/3/4 (Triton's pipelining depth), next to the table's
               (kernels/lora/kernel.py GPU_TILES and GPU_STAGES)
     fills     the kernels that sum over a long dim (du over the output width, dA and dB over the
               rows) at the table's tile, with the programs per SM their splits aim at (GPU_FILL;
               0: du not split) of 0/1/2/4/8
 
-    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills]
+    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills] [--kernels K1,K2]
         -> DIR/tune_lora.json, DIR/tune_lora.md
 """
 
@@ -83,7 +84,17 @@ def _fwd_bwd_ms(t: dict, compiled) -> dict:
         "eager": triton.testing.do_bench(lambda: autograd_path(spelling, t)),
         "torch.compile": triton.testing.do_bench(lambda: autograd_path(compiled, t)),
         "kernelgraft": triton.testing.do_bench(lambda: kernelgraft_path(t)),
+        "kernelgraft, du and dB apart": _unfused(lambda: triton.testing.do_bench(lambda: kernelgraft_path(t))),
     }
+
+
+def _unfused(fn):
+    """fn() with grad_u and grad_b launched apart (each reading the output's gradient)."""
+    K.FUSED_UB = False
+    try:
+        return fn()
+    finally:
+        K.FUSED_UB = True
 
 
 def accuracy() -> list[dict]:
@@ -113,15 +124,17 @@ def table_tile(kn: str) -> tuple:
     return (*K.GPU_TILES[kn], K.GPU_STAGES.get(kn, STAGES_DEFAULT))
 
 
-def tiles() -> dict:
+def tiles(kernels: set | None = None) -> dict:
     import triton
 
     got: dict = {}
     for k_in, n in PAIRS:
         t = tensors(T, k_in, n)
         pair = f"{k_in}->{n}"
-        for tile in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
+        for tile in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)):
             for kn, fn in _launches(t, *tile).items():
+                if kernels and kn not in kernels:
+                    continue
                 try:
                     ms = triton.testing.do_bench(fn, warmup=5, rep=15)
                 except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory): skipped
@@ -132,7 +145,7 @@ def tiles() -> dict:
     return got
 
 
-def fills() -> dict:
+def fills(kernels: set | None = None) -> dict:
     import triton
 
     got: dict = {}
@@ -143,7 +156,7 @@ def fills() -> dict:
             runs = {
                 kn: fn
                 for kn, fn in _launches(t, fills={k: fill for k in K.GPU_FILL}).items()
-                if kn in K.GPU_FILL
+                if kn in K.GPU_FILL and (not kernels or kn in kernels)
             }
             for kn, fn in runs.items():
                 if fill == 0 and kn != "grad_u":
@@ -188,6 +201,16 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) ->
         )
         part.sum(0)
 
+    def grad_ub():
+        bt, bn, m = cfg("grad_ub")
+        C = cdiv(n, bn)
+        ns, rows = K._splits(T, C, bt, dev, fill["grad_ub"])
+        dupart, dbpart = torch.empty((C, T, R), device=dev), torch.empty((ns, n, R), device=dev)
+        kern("grad_ub")[(C, ns)](
+            g, B, u, dupart, dbpart, SCALE, T, n, R, n, R, R, rows, BT=bt, BN=bn, **m
+        )
+        dupart.sum(0), dbpart.sum(0)
+
     def summed(kn, width, launch):
         bt, bn, m = cfg(kn)
         ns, rows = K._splits(T, cdiv(width, bn), bt, dev, fill[kn])
@@ -213,6 +236,7 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) ->
                 g, u, part, SCALE, T, n, R, n, R, rows, BT=bt, BN=bn, **m
             ),
         ),
+        "grad_ub": grad_ub,
         "grad_a": lambda: summed(
             "grad_a", k_in,
             lambda bt, bn, m, ns, rows, part: kern("grad_a")[(cdiv(k_in, bn), ns)](
@@ -246,11 +270,12 @@ def markdown(res: dict) -> str:
         lines += [
             "**fwd+bwd of one adapted linear, ms**",
             "",
-            "| in->out | eager | torch.compile | kernelgraft |",
+            "| in->out | eager | torch.compile | kernelgraft | kernelgraft, du and dB apart |",
         ]
-        lines += ["|---|---|---|---|"]
+        lines += ["|---|---|---|---|---|"]
         lines += [
-            f"| {r['pair']} | {r['eager']:.3f} | {r['torch.compile']:.3f} | {r['kernelgraft']:.3f} |"
+            f"| {r['pair']} | {r['eager']:.3f} | {r['torch.compile']:.3f} | {r['kernelgraft']:.3f} | "
+            f"{r.get('kernelgraft, du and dB apart', float('nan')):.3f} |"
             for r in res["ops"]
         ]
         lines.append("")
@@ -275,7 +300,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--parts", default="ops,accuracy,tiles,fills")
+    ap.add_argument("--kernels", default="", help="tiles and fills of these kernels only (comma-separated)")
     a = ap.parse_args()
+    only = set(filter(None, a.kernels.split(",")))
     if not torch.cuda.is_available():
         raise SystemExit("tune_lora.py measures the kernels on a GPU: no CUDA device here")
     res = dict(
@@ -285,7 +312,8 @@ def main():
     )
     os.makedirs(a.out, exist_ok=True)
     for part in a.parts.split(","):  # written after each part: a run cut short keeps what it measured
-        res[part] = {"ops": ops, "accuracy": accuracy, "tiles": tiles, "fills": fills}[part]()
+        run = {"ops": ops, "accuracy": accuracy, "tiles": lambda: tiles(only), "fills": lambda: fills(only)}
+        res[part] = run[part]()
         with open(os.path.join(a.out, "tune_lora.json"), "w") as f:
             json.dump(res, f, indent=1)
         md = markdown(res)

@@ -65,10 +65,48 @@ def test_du_summed_in_splits_of_the_output_width_passes_the_rule(sp, xd, ad, mon
         return made[-1][1]
 
     monkeypatch.setattr(lk, "_splits", spy)
+    monkeypatch.setattr(lk, "FUSED_UB", False)  # du by grad_u (as where dB is not needed)
     verdicts = check_spelling(sp, _args(70, 96, 200, 8, xd, ad, xd), compile_ref=False)
     assert (200, (2, 128)) in made  # the output width, in two splits of two column tiles
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"]
+)
+def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, monkeypatch):
+    """grad_ub reads the output's gradient once for du and dB: du summed over 4 column blocks of an
+    output width of 200, dB over two splits of the rows. By the rule, and dB bitwise as grad_b's
+    (the same products, summed in the same splits); du as grad_u's to float32 rounding."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    args = _args(70, 96, 200, 8, xd, ad, xd)
+    launched = []
+    call = lk._Launches.__call__
+
+    def spy(self, kernel, *a, **kw):
+        launched.append(kernel)
+        return call(self, kernel, *a, **kw)
+
+    monkeypatch.setattr(lk._Launches, "__call__", spy)
+    verdicts = check_spelling(sp, args, compile_ref=False)
+    assert "grad_ub" in launched and "grad_u" not in launched and "grad_b" not in launched
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+
+    x, res, A, B, s = args
+    g = torch.randn(res.shape, generator=torch.Generator().manual_seed(3)).to(res.dtype)
+    _, u = lk.forward(x.detach(), res.detach(), A.detach(), B.detach(), s)
+    assert lk.cdiv(200, lk._blocks(8, "grad_ub", x.device)[1]) == 4
+    fused = lk.backward(g, x.detach(), A.detach(), B.detach(), u, s, (True, True, True))
+    monkeypatch.setattr(lk, "FUSED_UB", False)
+    apart = lk.backward(g, x.detach(), A.detach(), B.detach(), u, s, (True, True, True))
+    assert torch.equal(fused[2], apart[2])
+    # du's sums differ at float32's rounding: dx (x's dtype) and dA (the adapters') at theirs
+    for got, want, dt in zip(fused[:2], apart[:2], (xd, ad)):
+        ulp = torch.finfo(dt).eps
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=ulp * want.abs().max().item())
 
 
 @pytest.mark.gpu

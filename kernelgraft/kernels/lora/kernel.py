@@ -123,6 +123,15 @@ def kernel_source(
     gu = "_g(g_ptr, t, n, T, N, sg)" if g_exact else "_gv(g_ptr, t, n, T, N, sg, s)"
     grad_u_dot = dot(gu, "bt.to(tl.float32)", "a" if g_exact else None)
     grad_b_dot = dot(f"tl.trans({gu})", "ut.to(tl.float32)", "a" if g_exact else None)
+    # the fused du and dB: g's tile loaded once for both products; B's tile is the program's own,
+    # split once before the loop where g is exact; du's products of one tile start from zero
+    ub_b_dot = dot("tl.trans(gt)", "ut.to(tl.float32)", "a" if g_exact else None)
+    if g_exact:
+        b_parts = "\n    bhi, blo = _split(bt)"
+        ub_u_dot = 'tl.dot(gt, bhi, tl.dot(gt, blo, input_precision="tf32"), input_precision="tf32") * s'
+    else:
+        b_parts = ""
+        ub_u_dot = f'tl.dot(gt, bt, input_precision="{precision}")'
     # the scaling left out of the products above, applied to their sums
     scaled = "\n    acc = acc * s" if g_exact else ""
     return (
@@ -213,6 +222,32 @@ def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
 
 
 @triton.jit
+def {name}_grad_ub(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sb, su, rows,
+                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # du and dB from one read of the output's gradient: a program takes BN columns of it over one
+    # split of the rows. du's float32 sums over the program's columns, per row: dupart[column
+    # block, t, r] (added over the blocks afterwards, as du's split sums are); dB's float32 sums
+    # over the split's rows: dbpart[split, n, r]
+    s = tl.full([], s, tl.float32)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.arange(0, BR)
+    bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+    bt = bt.to(tl.float32){b_parts}
+    lo = tl.program_id(1) * rows
+    acc = tl.full((BN, BR), 0.0, tl.float32)
+    for t0 in range(lo, lo + rows, BT):
+        t = t0 + tl.arange(0, BT)
+        gt = {gu}
+        ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+        acc = {ub_b_dot}
+        du = {ub_u_dot}
+        m = (t[:, None] < T) & (r[None, :] < R)
+        tl.store(dupart_ptr + tl.program_id(0) * T * R + t[:, None] * R + r[None, :], du, mask=m){scaled}
+    out = dbpart_ptr + tl.program_id(1) * N * R + n[:, None] * R + r[None, :]
+    tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
+
+
+@triton.jit
 def {name}_grad_a(du_ptr, x_ptr, part_ptr, T, K, R, sdu, sx, rows,
                   BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     # dA's float32 sums of du^T @ R_a(x) over one split of the rows: part[split, r, k]
@@ -283,6 +318,7 @@ GPU_TILES = {
     "up": (64, 128, 4),
     "grad_u": (64, 64, 4),
     "grad_b": (64, 128, 4),
+    "grad_ub": (64, 128, 4),
     "grad_a": (64, 128, 4),
     "grad_x": (32, 128, 4),
 }
@@ -295,7 +331,10 @@ GPU_STAGES: dict[str, int] = {"down": 4}
 # output width (0: not split, one program per row tile summing all of it). The H200, 2026-12-03
 # (`tune_lora.py --parts fills`, summed over the four pairs): 8 programs per SM 11 % (grad_b) and
 # 7 % (grad_a) faster than 2; du is fastest unsplit
-GPU_FILL = {"grad_u": 0, "grad_b": 8, "grad_a": 8}
+GPU_FILL = {"grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
+# du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
+# grad_u and grad_b, each reading it
+FUSED_UB = True
 
 
 def _blocks(R: int, kernel: str, device: torch.device) -> tuple[int, int, int, int]:
@@ -423,6 +462,24 @@ def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: 
     return part.sum(0).to(dtype)
 
 
+def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, ad: torch.dtype):
+    """(du, dB) from one read of g (T, N > 0): du's float32 sums per column block and dB's per
+    split of the rows, each added in a fixed order and rounded once, as the unfused kernels' split
+    sums are (the same products; du's sums are split by column blocks instead of unsplit)."""
+    BT, BN = launch.tile("grad_ub")
+    C = cdiv(N, BN)
+    n, rows = _splits(T, C, BT, launch.dev, GPU_FILL["grad_ub"])
+    dupart = torch.empty((C, T, R), dtype=torch.float32, device=launch.dev)
+    dbpart = torch.empty((n, N, R), dtype=torch.float32, device=launch.dev)
+    launch(
+        "grad_ub", lambda bt, bc: (C, n),
+        g2, Bc, u, dupart, dbpart, s, T, N, R, g2.stride(0), Bc.stride(0), u.stride(0), rows,
+    )  # fmt: skip
+    du = dupart.squeeze(0) if C == 1 else dupart.sum(0)
+    dB = dbpart.squeeze(0) if n == 1 else dbpart.sum(0)
+    return du.to(ad), dB.to(ad)
+
+
 def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     """-> (dx, dA, dB) for the output's gradient g; None where `needs` (x, A, B) says no. The base
     output's gradient is g itself."""
@@ -434,9 +491,11 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     s = float(scaling)
     dev = x.device
     dx = dA = dB = du = None
-    if (need_x or need_a) and T:
+    if FUSED_UB and need_b and (need_x or need_a) and T and N:
+        du, dB = _grad_ub(launch, g2, Bc, u, s, T, N, R, A.dtype)
+    elif (need_x or need_a) and T:
         du = _grad_u(launch, g2, Bc, s, T, N, R, A.dtype)
-    if need_b:
+    if need_b and dB is None:
         dB = launch.summed(
             "grad_b", (N, R), B.dtype, T, lambda bc: cdiv(N, bc),
             lambda part, rows: (g2, u, part, s, T, N, R, g2.stride(0), u.stride(0), rows),

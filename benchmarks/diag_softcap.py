@@ -75,7 +75,7 @@ def main():
     ):
         dz = z.clone()
         loss = torch.empty(z.shape[0], device=dev)
-        fn[(z.shape[0],)](
+        fn.ce[(z.shape[0],)](
             dz, dz.stride(0), t.to(dev), loss, (g.to(dev) / counted.to(dev)).reshape(1), cap, z.shape[1], ii,
             GRAD=True, BLOCK_V=128, **launch_options("autograd", [dt], dev),
         )  # fmt: skip

@@ -4,7 +4,9 @@ Parts (`--parts`, comma-separated; default all):
   patterns   RMSNorm, RoPE, SwiGLU at the reference shapes and a size sweep: fwd, bwd, fwd+bwd
              (median ms, triton.testing.do_bench) and peak memory above the inputs, for eager,
              torch.compile, Liger (when importable), and kernelgraft as users get it: the spelling
-             compiled with the kernelgraft backend, "inductor" and "eager"
+             compiled with the kernelgraft backend, "inductor" and "eager"; and fwd+bwd per call
+             in a loop of calls with one synchronization at the end, the implementations taking
+             turns (loop_times)
   lm_head    bench_lm_head.py's measurement (eager, compile, Liger, CCE, kernelgraft)
   steps      one training step (fwd + bwd, no optimizer) of the Llama-3.2-1B shape (8x2048), the
              Llama-3.1-8B shape (2x4096), a Gemma-2-2B shape (256k vocabulary), peft LoRA on the
@@ -212,7 +214,7 @@ def pattern_cases(quick: bool):
 def measure_pattern(name, fn, liger_name, make, floor_bytes):
     from triton.testing import do_bench
 
-    rows = {}
+    rows, loops = {}, {}
     # dynamo caches compiled code per code object, and past its recompile limit (8) runs a function
     # uncompiled: a sweep of one spelling over shapes and three compiled modes gets there (seen on
     # the H200: kernelgraft's and torch.compile's rows equal eager's from the fifth case on)
@@ -239,13 +241,43 @@ def measure_pattern(name, fn, liger_name, make, floor_bytes):
             peak = peak_above(fwd_bwd) / 2**20
             rows[impl] = dict(fwd_ms=t_f, bwd_ms=max(t_fb - t_f, 0.0), fwd_bwd_ms=t_fb, peak_mib=peak)
             rows[impl].update(device_time(fwd_bwd))
+            loops[impl] = fwd_bwd
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
             traceback.print_exc()
             rows[impl] = dict(error=f"{type(e).__name__}: {e}"[:300])
         print(f"{name} {impl}: {rows[impl]}", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
+    for impl, ms in loop_times(loops).items():
+        rows[impl]["loop_ms"] = ms
+    print(f"{name} loop ms: {[(k, round(v.get('loop_ms', 0), 3)) for k, v in rows.items()]}", flush=True)
     return dict(name=name, floor_ms=floor_bytes / BW * 1e3, impls=rows)
+
+
+def loop_times(loops: dict, rounds: int = 7, calls: int = 40, sync=None) -> dict:
+    """fwd+bwd ms per call as a training loop runs it: `calls` calls back to back, one
+    synchronization at the end, the host free to run ahead of the device as far as it can. The
+    implementations take turns, each round in another order, and each one's median round is kept:
+    do_bench above times each call between two events after clearing the L2 cache, which, where
+    the host is slower than the device, times the host's jitter as well (its medians of one
+    host-bound case moved by 20 % between three runs in one process on the H200)."""
+    import statistics
+    import time
+
+    sync = sync or torch.cuda.synchronize
+    got: dict = {k: [] for k in loops}
+    names = list(loops)
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            fn = loops[k]
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            got[k].append((time.perf_counter() - t0) / calls * 1e3)
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def device_time(fn, n: int = 20) -> dict:
@@ -589,6 +621,16 @@ def _table(L: list, title: str, head: list[str], entries: dict, key: str, faster
         L.append(f"| {n} | {first} | {' | '.join(rat)} | {' | '.join(rest)} |")
 
 
+def _loop_ms(row: dict, impl: str):
+    return row["impls"].get(impl, {}).get("loop_ms")
+
+
+def _loop_cells(v: dict, compile_ms) -> str:
+    if "loop_ms" not in v:
+        return " | - | -"
+    return f" | {v['loop_ms']:.3f} | " + (f"{compile_ms / v['loop_ms']:.3f}x" if compile_ms else "-")
+
+
 def markdown(doc) -> str:
     L = [f"Benchmark suite, bf16, {doc['gpu']}, {doc['date']}, {doc['versions']}\n"]
     for r in doc.get("patterns", []):
@@ -606,14 +648,17 @@ def markdown(doc) -> str:
                 "peak MiB",
                 "fwd+bwd device ms",
                 "device vs floor",
+                "in a loop, ms per call",
+                "loop vs compile",
             ],
             r["impls"],
             "fwd_bwd_ms",
             lambda own, peer: peer / own,
-            lambda v, floor=r["floor_ms"]: (
+            lambda v, floor=r["floor_ms"], r=r: (
                 f"{v['fwd_ms']:.3f} | {v['bwd_ms']:.3f} | {v['fwd_bwd_ms']:.3f}",
                 f"{v['peak_mib']:.0f} | "
-                + (f"{v['device_ms']:.3f} | {v['device_ms'] / floor:.2f}x" if "device_ms" in v else "- | -"),
+                + (f"{v['device_ms']:.3f} | {v['device_ms'] / floor:.2f}x" if "device_ms" in v else "- | -")
+                + _loop_cells(v, _loop_ms(r, "torch.compile")),
             ),
         )
     for shape, modes in doc.get("steps", {}).items():

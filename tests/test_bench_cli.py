@@ -21,8 +21,8 @@ def fake_run(date="2026-11-29"):
                 floor_ms=0.157,
                 impls={
                     "eager": imp(2.7),
-                    "torch.compile": imp(0.3),
-                    "kernelgraft (inductor)": dict(imp(0.25), device_ms=0.1884),
+                    "torch.compile": dict(imp(0.3), loop_ms=0.5),
+                    "kernelgraft (inductor)": dict(imp(0.25), device_ms=0.1884, loop_ms=0.4),
                 },
             )
         ],
@@ -127,3 +127,36 @@ def test_tune_lora_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tune_lora.py"])
     with pytest.raises(SystemExit, match="no CUDA device"):
         tune_lora.main()
+
+
+def test_pattern_rows_carry_the_loop_time_and_its_ratio():
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import suite
+
+    md = suite.markdown(fake_run())
+    assert "| in a loop, ms per call | loop vs compile |" in md
+    assert "| 0.400 | 1.250x |" in md and "| 0.500 | 1.000x |" in md
+
+
+def test_loop_times_take_turns_and_keep_each_ones_median():
+    import sys
+    import time
+
+    sys.path.insert(0, "benchmarks")
+    import suite
+
+    order = []
+
+    def work(name, s):
+        def fn():
+            order.append(name)
+            time.sleep(s)
+
+        return fn
+
+    got = suite.loop_times({"a": work("a", 0.002), "b": work("b", 0.0)}, rounds=3, calls=5, sync=lambda: None)
+    assert got["a"] > 1.5 and got["b"] < 1.0  # ms per call
+    firsts = [order[i] for i in range(0, len(order), 6)]  # each turn: a warm-up call and 5 timed
+    assert firsts == ["a", "b", "b", "a", "a", "b"]

@@ -1,13 +1,20 @@
-"""The gated-MLP op alone vs float64 truth, eager and torch.compile, and finite at |x| = 100."""
+"""The gated-MLP op alone vs float64 truth, eager and torch.compile, and finite at |x| = 100; the
+clamped SwiGLU as GPT-OSS and MiniMax-M3 write it, served in a model; stacked experts left unserved,
+reported with what they compute between their matmuls."""
+
+import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch import nn
 
-from kernelgraft.gradcheck import check_spelling
+import kernelgraft
+from kernelgraft.gradcheck import check_spelling, judge
 from kernelgraft.kernels import op_for
-from kernelgraft.patterns import REGISTRY
+from kernelgraft.patterns import REGISTRY, Registry, Scalar
 
 SPELLINGS = ["silu", "gelu_tanh", "gelu", "relu2"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -89,3 +96,196 @@ def test_constant_factors_fold_to_one_literal_in_forward_and_backward():
     fwd = 2 * sympy.sqrt(2) * x / sympy.sqrt(sympy.pi)
     bwd = sympy.Mul(2, sympy.sqrt(2), x, Rsqrt(sympy.pi))
     assert to_triton(fold_constants(fwd)) == to_triton(fold_constants(bwd)) == "1.5957691216057308*x"
+
+
+# ---- the clamped SwiGLU (GPT-OSS's experts, MiniMax-M3's) ------------------------------------------
+
+LIMITS = (7.0, -7.0, 1.702)  # limit, floor (the models' -limit), alpha: GPT-OSS's defaults
+
+
+def clamped_inputs(M, N, dtype, seed=0):
+    """gate and up spread past +-7, with values at the bounds: gate at its limit, up at both."""
+    g = torch.Generator().manual_seed(seed)
+    gate = 4 * torch.randn(M, N, generator=g)
+    up = 4 * torch.randn(M, N, generator=g)
+    gate[:, :2], up[:, :2] = 7.0, torch.tensor([7.0, -7.0])
+    return gate.to(dtype).requires_grad_(), up.to(dtype).requires_grad_(), *LIMITS
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("rounding", ["autograd", "fused"])
+def test_clamped_swiglu_matches_truth_eager_and_compile(rounding, dtype):
+    sp = REGISTRY.get("gated_mlp", "clamped_swiglu")
+    gate, up, *_ = args = clamped_inputs(96, 1000, dtype)
+    assert (gate.float() > 7).any() and (up.float().abs() > 7).any()  # the clamps bite
+    assert_ok(check_spelling(sp, args, compile_ref=True, rounding=rounding))
+
+
+@pytest.mark.parametrize("rounding", ["autograd", "fused"])
+def test_clamped_swiglu_passes_the_gradient_at_its_bounds_as_autograd_does(rounding):
+    """clamp passes the gradient where min <= x <= max, the bounds included: at gate == limit and
+    up == +-limit the kernel's gradient is eager's; past them it is 0, as eager's is."""
+    sp = REGISTRY.get("gated_mlp", "clamped_swiglu")
+    gate = torch.tensor([[7.0, 7.0, 7.5, -3.0, 2.0, 9.0, -8.0, 0.5]])
+    up = torch.tensor([[7.0, -7.0, 1.0, 8.0, -9.0, 7.0, -7.0, 0.25]])
+    g = torch.linspace(-1, 1, 8).view(1, 8)
+    grads = {}
+    for name, fn, dt in (
+        ("truth", sp.fn, torch.float64),
+        ("eager", sp.fn, None),
+        ("kg", op_for(sp, rounding), None),
+    ):
+        a, b = (t.to(dt or t.dtype).requires_grad_() for t in (gate, up))
+        out = fn(a, b, *LIMITS)
+        grads[name] = (out.detach(), *torch.autograd.grad(out, (a, b), g.to(out.dtype)))
+    for i, what in enumerate(("out", "grad gate", "grad up")):
+        truth, eager, kg = (grads[k][i] for k in ("truth", "eager", "kg"))
+        assert torch.equal(kg == 0, eager == 0), (what, kg, eager)
+        v = judge(what, truth, kg, eager)
+        assert v.ok, str(v)
+    dg, du = grads["eager"][1:]
+    assert (dg[0, :2] != 0).all() and dg[0, 2] == 0 and (du[0, :2] != 0).all() and (du[0, 3:5] == 0).all()
+
+
+class ClampedGate(nn.Module):
+    """An MLP with the clamped SwiGLU between its projections, spelled as a model writes it."""
+
+    def __init__(self, how: str, h=32, i=48, limit=2.0, alpha=1.702):
+        super().__init__()
+        self.how, self.limit, self.alpha = how, limit, alpha
+        self.gate_up_proj = nn.Linear(h, 2 * i)
+        self.down_proj = nn.Linear(i, h)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if self.how == "interleaved":  # GPT-OSS's experts
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            glu = gate * torch.sigmoid(gate * self.alpha)
+            out = (up + 1) * glu
+        elif self.how == "chunk":  # MiniMax-M3's shared experts
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            glu = gate * torch.sigmoid(gate * self.alpha)
+            out = (up + 1.0) * glu
+        else:  # torch.clamp_max and torch.clip, the product the other way round
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = torch.clamp_max(gate, self.limit)
+            up = torch.clip(up, -self.limit, self.limit)
+            out = torch.sigmoid(self.alpha * gate) * gate * (1 + up)
+        return self.down_proj(out).square().mean()
+
+
+def _off_the_rule(stock, mine, batches) -> list[str]:
+    """The loss, the input's and every parameter's gradient of `mine` against float64 truth beside
+    `stock` (eager), each judged on all batches at once -> the verdicts that fail."""
+    truth = copy.deepcopy(stock).double()
+    runs = {"truth": [], "eager": [], "kg": []}
+    for x in batches:
+        for name, m in (("truth", truth), ("eager", stock), ("kg", mine)):
+            xin = (x.double() if name == "truth" else x).clone().requires_grad_()
+            loss = m(xin)
+            loss.backward()
+            runs[name].append([loss.detach(), xin.grad] + [p.grad.clone() for p in m.parameters()])
+            m.zero_grad()
+    joined = {
+        k: [torch.cat([r[i].reshape(-1) for r in v]) for i in range(len(v[0]))] for k, v in runs.items()
+    }
+    verdicts = (
+        judge(f"#{i}", t, k, e)
+        for i, (t, e, k) in enumerate(zip(*(joined[k] for k in ("truth", "eager", "kg"))))
+    )
+    return [str(v) for v in verdicts if not v.ok]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("how", ["interleaved", "chunk", "clip"])
+def test_the_clamped_swiglu_as_models_write_it_is_served_by_the_rule(how, dtype):
+    """gate.clamp(max=limit), up.clamp(min=-limit, max=limit) (clamp_max, clip): clamp reads as
+    clamp_min then clamp_max, and the model's -limit, a number in its graph, binds as `floor`."""
+    torch.manual_seed(0)
+    stock = ClampedGate(how).to(dtype)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    batches = [(3 * torch.randn(4, 24, 32)).to(dtype) for _ in range(2)]
+    bad = _off_the_rule(stock, mine, batches)
+    rep = mine.kernelgraft_report
+    sites = [(s.pattern, s.spelling, s.scalars) for s in rep.sites]
+    assert sites == [("gated_mlp", "clamped_swiglu", {"limit": 2.0, "floor": -2.0, "alpha": 1.702})], str(rep)
+    assert not bad, bad
+
+
+def test_clamp_reads_as_clamp_min_then_clamp_max():
+    """x.clamp(min, max), torch.clamp and torch.clip: clamp_min, then clamp_max, each only where its
+    bound is given; two bounds of which one is a tensor stay opaque (autograd hands both bounds a
+    gradient where min > max, which the two ops would not)."""
+    reg = Registry()
+
+    @kernelgraft.pattern("both", registry=reg)
+    def both(x, lo: Scalar, hi: Scalar):
+        return torch.clip(x, lo, hi)
+
+    @kernelgraft.pattern("above", registry=reg)
+    def above(x, hi: Scalar):
+        return torch.clamp(x, max=hi)
+
+    ops = lambda name: [n.op for n in reg.get(name).canonical().nodes if n.op != "input"]  # noqa: E731
+    assert ops("both") == ["clamp_min", "clamp_max"] and ops("above") == ["clamp_max"]
+    with pytest.raises(TypeError, match="clamp"):
+
+        @kernelgraft.pattern("tensor_bounds", registry=reg)
+        def tensor_bounds(x, lo, hi):
+            return x.clamp(lo, hi)
+
+
+class TinyExperts(nn.Module):
+    """Experts held as stacked weights, each token's top-k experts computed with bmm over the
+    weights it selected (transformers' batched_mm), gate and up halves of one projection."""
+
+    def __init__(self, act, e=4, h=16, i=24):
+        super().__init__()
+        self.act = act
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) / h**0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i) / i**0.5)
+
+    def forward(self, x, idx, w):  # x (T, h), idx and w (T, k)
+        k = idx.shape[1]
+        xs = x.repeat_interleave(k, dim=0)
+        gate_up = torch.bmm(self.gate_up_proj[idx.reshape(-1)], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.act(gate) * up
+        out = torch.bmm(self.down_proj[idx.reshape(-1)], h.unsqueeze(-1)).squeeze(-1)
+        return (out * w.reshape(-1, 1)).view(x.shape[0], k, -1).sum(1)
+
+
+class TinyMoeMLP(nn.Module):
+    def __init__(self, act, e=4, h=16):
+        super().__init__()
+        self.router = nn.Linear(h, e)
+        self.experts = TinyExperts(act, e, h)
+
+    def forward(self, x):
+        w, idx = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        return self.experts(x, idx, w)
+
+
+def test_stacked_experts_unserved_are_reported_with_what_they_compute_between_their_matmuls():
+    """An experts module whose gated product no spelling matches is reported itself (not the MLP
+    around it, whose first ops are the router's), with the ops between its expert matmuls, where
+    the activation to write a spelling for shows; with silu the same experts are served."""
+    x = torch.randn(12, 16)
+    rep = kernelgraft.explain(TinyMoeMLP(F.softplus), x)
+    assert not rep.counts().get("gated_mlp"), str(rep)
+    (u,) = rep.unserved
+    assert (u.module, u.kind, u.cls) == ("experts", "mlp", "TinyExperts"), str(rep)
+    assert "between its expert matmuls squeeze, chunk2, half, softplus, mul" in u.reason, u.reason
+    stock = TinyMoeMLP(F.silu)
+    served = kernelgraft.explain(stock, x)
+    assert [(s.module, s.spelling) for s in served.sites] == [("experts", "silu")] and not served.unserved
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    v = judge("out", copy.deepcopy(stock).double()(x.double()), mine(x), stock(x))
+    assert v.ok and mine.kernelgraft_report.counts() == {"gated_mlp": 1}, (
+        str(v),
+        str(mine.kernelgraft_report),
+    )

@@ -21,7 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from .complex import lower_complex
-from .decompose import LAYER_NORMS, RMS_NORMS, VECTOR_NORMS, layer_norm, rms_norm, variance, vector_norm
+from .decompose import (
+    CLAMPS,
+    LAYER_NORMS,
+    RMS_NORMS,
+    VECTOR_NORMS,
+    clamp,
+    layer_norm,
+    rms_norm,
+    variance,
+    vector_norm,
+)
 from .graph import CGraph, CNode, DtypeOf
 from .indexing import VIEWS, half_of, pairs_of, row_index, units_read_by_rows, view_kind
 from .primitives import PRIMITIVES
@@ -179,6 +189,8 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         return vector_norm(b, n, args, kwargs)
     if target is torch.var or (n.op == "call_method" and target == "var"):
         return variance(b, n, args, kwargs)
+    if target in CLAMPS and (n.op == "call_method") == isinstance(target, str):
+        return clamp(b, n, args, kwargs)
     if target in VIEWS and args and isinstance(args[0], CNode):
         kind = view_kind(n, args, kwargs)
         if kind == "identity":

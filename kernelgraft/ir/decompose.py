@@ -16,6 +16,7 @@ from .graph import CNode, DtypeOf
 from .rules import apply_rules
 
 LAYER_NORMS = (F.layer_norm, torch.layer_norm)
+CLAMPS = (torch.clamp, torch.clip, "clamp", "clip")
 RMS_NORMS = (F.rms_norm, torch.rms_norm) if hasattr(F, "rms_norm") else ()
 VECTOR_NORMS = (torch.norm, "norm", torch.linalg.vector_norm)
 
@@ -77,6 +78,33 @@ def _float32_copy(x: CNode) -> bool:
     return meta is None or meta.dtype != torch.float32
 
 
+def clamp(b, n: torch.fx.Node, args, kwargs) -> CNode:
+    """`x.clamp(min, max)` (torch.clamp, clip) -> clamp_min, then clamp_max, each where its bound
+    is given: max(x, min) then min(., max), as PyTorch computes it (max wins where min > max) and
+    differentiates it (x's gradient passes where min <= x <= max, ties included). Both bounds given
+    with one a tensor stay opaque: autograd then hands each bound a gradient where min > max."""
+    bound = dict(zip(("input", "min", "max"), args))
+    bound.update(kwargs)
+    x, lo, hi = bound.get("input"), bound.get("min"), bound.get("max")
+    both = lo is not None and hi is not None
+    if not isinstance(x, CNode) or (lo is None and hi is None) or (both and (_tensor(lo) or _tensor(hi))):
+        return b.new("opaque:clamp", tuple(args) + tuple(sorted(kwargs.items())), fx=n)
+    if hi is None:
+        return b.new("clamp_min", (x, lo), fx=n)
+    if lo is not None:
+        x = _Decomposed(b, x.meta, n).binary("clamp_min", x, lo)
+    return b.new("clamp_max", (x, hi), fx=n)
+
+
+def _tensor(a) -> bool:
+    """a is a tensor value: not a number, nor a pattern's Scalar (or arithmetic of Scalars)."""
+    if not isinstance(a, CNode):
+        return False
+    if a.op == "input":
+        return a.attr("kind") != "scalar"
+    return isinstance(a.meta, torch.Tensor) or any(_tensor(i) for i in a.inputs())
+
+
 def _is_number(a) -> bool:
     return isinstance(a, (int, float)) and not isinstance(a, bool)
 
@@ -134,7 +162,7 @@ class _Decomposed:
         return self._node(op, (a,), (), self._value(a), lambda g, fx_of: g.call_function(fn, (fx_of(a),)))
 
     def binary(self, op: str, a: CNode, c) -> CNode:
-        fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}[op]
+        fn = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "clamp_min": torch.clamp_min}[op]
         big = (
             a
             if not isinstance(c, CNode) or a.meta is None or c.meta is None or a.meta.dim() >= c.meta.dim()

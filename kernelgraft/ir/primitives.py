@@ -167,6 +167,10 @@ for _p in (
     Primitive("clamp_min", (torch.clamp_min, "clamp_min"), "binary", lambda a, b: sympy.Max(a, b),
               derivative=lambda n: [sympy.Heaviside(n.inputs[0] - n.inputs[1], 1),
                                     sympy.Heaviside(n.inputs[1] - n.inputs[0], 0)]),
+    # and clamp_max where x <= max (x.clamp(min, max) reads as clamp_min, then clamp_max: decompose.py)
+    Primitive("clamp_max", (torch.clamp_max, "clamp_max"), "binary", lambda a, b: sympy.Min(a, b),
+              derivative=lambda n: [sympy.Heaviside(n.inputs[1] - n.inputs[0], 1),
+                                    sympy.Heaviside(n.inputs[0] - n.inputs[1], 0)]),
     Primitive("gelu", (F.gelu, torch._C._nn.gelu), forward=_gelu, attrs=(("approximate", "none"),)),
     # row reductions (dim=-1, keepdim=True in a kernel; the adjoint of a sum is a broadcast)
     Primitive("mean", (torch.mean, "mean"), "reduction", mean=True),

@@ -75,7 +75,7 @@ class Rsqrt(KFunction):
 class Sigmoid(KFunction):
     """1/(1+exp(-x)).   d/dx = s(x) s(-x): finite for every x, and no 1 - s cancellation"""
 
-    triton = "(1.0 / (1.0 + tl.exp(-({0}))))"  # 1/(1+inf) = 0: finite
+    triton = "(1.0 / (1.0 + _exp(-({0}))))"  # 1/(1+inf) = 0: finite; _exp: the generated module's
 
     def fdiff(self, argindex=1):
         return Sigmoid(self.args[0]) * Sigmoid(-self.args[0])
@@ -208,6 +208,10 @@ class TritonPrinter(StrPrinter):
     def _print_Max(self, f):
         a, b = f.args[0], sympy.Max(*f.args[1:]) if len(f.args) > 2 else f.args[1]
         return f"tl.maximum({self._print(a)}, {self._print(b)})"
+
+    def _print_Min(self, f):
+        a, b = f.args[0], sympy.Min(*f.args[1:]) if len(f.args) > 2 else f.args[1]
+        return f"tl.minimum({self._print(a)}, {self._print(b)})"
 
     def _print_Heaviside(self, f):
         at_zero = f.args[1] if len(f.args) > 1 else 0  # H(0): 1 where a tie passes (clamp_min's x >= min)

@@ -1,6 +1,6 @@
 """Triton source pieces every generated module shares: the header (imports and the @jit helpers
-the printed expressions call: bf16 rounding, an accurate tanh, sech^2, the pair swap) and sympy expressions as
-CSE'd assignment lines."""
+the printed expressions call: bf16 rounding, an accurate tanh, sech^2, the pair swap), the helpers a
+kernel adds where it calls them (an accurate exp), and sympy expressions as CSE'd assignment lines."""
 
 from __future__ import annotations
 
@@ -86,6 +86,29 @@ def _swap_pairs(v, BM: tl.constexpr, BN: tl.constexpr):
 """
 
 
+EXP = """
+@triton.jit
+def _exp(x):
+    # e^x = e^r 2^k, k = round(x log2 e), r = x - k ln 2 with ln 2 in two parts (k times the first is
+    # exact): tl.exp scales x by log2 e in float32 first, on the GPU an error of up to |x| 2^-24 in
+    # the exponent (3.8e-6 relative near x = -100, where a sigmoid's tail may be all a gradient
+    # holds); this one is as accurate as CUDA's expf. 2^k in two factors: finite up to e^88.7
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    else:
+        xc = tl.minimum(tl.maximum(x, -110.0), 90.0)
+        k = tl.floor(xc * 1.4426950408889634 + 0.5)
+        r = (xc - k * 0.693145751953125) - k * 1.4286068203094172e-06
+        h = tl.floor(k * 0.5)
+        return tl.where(x != x, x, tl.exp(r) * tl.exp2(h) * tl.exp2(k - h))
+"""
+
+
+def helpers(body: str) -> str:
+    """The helpers beyond the header that a kernel's source calls (the sigmoid's _exp)."""
+    return "\n\n" + EXP.strip() + "\n" if "_exp(" in body else ""
+
+
 def cse_lines(exprs: list, prefix: str, indent: str) -> tuple[list[str], list[str]]:
     """sympy.cse over `exprs`: (assignment lines, printed reduced expressions)."""
     syms = sympy.numbered_symbols(prefix)
@@ -97,5 +120,3 @@ def cse_lines(exprs: list, prefix: str, indent: str) -> tuple[list[str], list[st
 
 def needed(*exprs) -> set:
     return {s.name for e in exprs for s in sympy.sympify(e).free_symbols}
-
-

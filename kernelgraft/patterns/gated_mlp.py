@@ -7,6 +7,9 @@ relu squared. `up * act(gate)` matches too (products commute), which also covers
 gate_up_proj + chunk, where gate and up are strided halves of one tensor.
 softcapped_silu: in float32, the gate's and up's factors each bounded by a softcap (tanh(v / c) * c)
 while the sigmoid sees the raw gate, rounded once at the end (Inkling 2's experts).
+clamped_swiglu: the gate clamped from above, up to [floor, limit], gate * sigmoid(alpha * gate)
+times (up + 1) (GPT-OSS's experts, MiniMax-M3's; gate and up as chunk(2) halves or as interleaved
+columns of one projection).
 """
 
 import torch
@@ -50,3 +53,22 @@ def gated_softcapped_silu(gate, up, gate_cap: Scalar, up_cap: Scalar):
     return (torch.tanh(g / gate_cap) * gate_cap * torch.sigmoid(g) * (torch.tanh(u / up_cap) * up_cap)).to(
         gate.dtype
     )
+
+
+def _example_limits(rows, n, dtype, g):
+    """gate and up (rows, n) spread past the bounds, and GPT-OSS's defaults (limit 7, alpha 1.702)."""
+    gate = (4 * torch.randn(rows, n, generator=g)).to(dtype).requires_grad_()
+    up = (4 * torch.randn(rows, n, generator=g)).to(dtype).requires_grad_()
+    return {"gate": gate, "up": up, "limit": 7.0, "floor": -7.0, "alpha": 1.702}
+
+
+@pattern(
+    "gated_mlp", spelling="clamped_swiglu", extra_check=dtype_check, example=_example_limits, recompute=True
+)
+def gated_clamped_swiglu(gate, up, limit: Scalar, floor: Scalar, alpha: Scalar):
+    # the models write up.clamp(min=-limit, max=limit): their graphs hold -limit as a number, which
+    # binds as a Scalar of its own (`floor`)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=floor, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu

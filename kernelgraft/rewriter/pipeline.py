@@ -144,7 +144,26 @@ _NORM_NAME = re.compile(r"Norm(Gated|PerHead|Zero|[0-9][0-9A-Za-z]*)?$")
 def _module_kind(name: str) -> str | None:
     if _NORM_NAME.search(name):
         return "norm"
-    return "mlp" if "MLP" in name or "Mlp" in name else None
+    # an MoE block's experts held as stacked weights (MixtralExperts, GptOssExperts): an MLP per expert
+    return "mlp" if "MLP" in name or "Mlp" in name or name.endswith("Experts") else None
+
+
+# the matmuls of stacked experts: a loop's linear or mm, bmm over the selected experts' weights, a
+# grouped mm (torch's, or transformers' fallback op)
+_EXPERT_MATMUL = re.compile(r"^(linear|mm|bmm|matmul|einsum|.*grouped_mm.*)$")
+
+
+def _between_matmuls(seq: list) -> list | None:
+    """The ops (each once, in graph order) an experts module computes between its first matmul and
+    its last: its gated product, beside the bias adds and index reads there. None with fewer than two."""
+    at = [i for i, op in enumerate(seq) if _EXPERT_MATMUL.match(op)]
+    if len(at) < 2:
+        return None
+    out = []
+    for op in seq[at[0] + 1 : at[-1]]:
+        if not _EXPERT_MATMUL.match(op) and op not in out:
+            out.append(op)
+    return out
 
 
 # the patterns that serve a module of each kind: a norm module whose gated product alone was
@@ -170,7 +189,9 @@ def _rotary_helper(fx) -> str | None:
 def unserved(g: Graft) -> None:
     """Norm and MLP modules the graph calls (by their class names), and rotary helper functions (by
     their names), in which no site of their kind was served, refused or came close: reported with
-    the ops they compute (and the sites of other patterns served inside them)."""
+    the ops they compute (and the sites of other patterns served inside them); stacked experts with
+    what they compute between their matmuls, where a gated MLP's spelling would match, and in place
+    of the MLP module around them (its first ops are the router's)."""
     records = [(r.module, r.pattern) for r in g.report.sites + g.report.fallbacks] + [
         (m.module, m.pattern) for m in g.report.near_misses
     ]
@@ -178,10 +199,8 @@ def unserved(g: Graft) -> None:
     modules: dict = {}  # (dynamo's path, class) -> (path, class name, kind), or None: not a norm or MLP
 
     def computes(key, c) -> None:
-        seen = ops.setdefault(key, [])
-        op = c.op.removeprefix("opaque:")
-        if c.op != "input" and op not in seen:
-            seen.append(op)
+        if c.op != "input":
+            ops.setdefault(key, []).append(c.op.removeprefix("opaque:"))
 
     for c in g.canonical.nodes:
         at = c.fx if c.fx is not None else c.origin  # a composite's primitive: where it was called
@@ -198,11 +217,19 @@ def unserved(g: Graft) -> None:
         if helper is not None:  # under the innermost module that calls it
             inner = stack[-1][0] if stack else ""
             computes((readable_path(inner), helper, "rope"), c)
-    for (path, name, kind), inside in ops.items():
+    unserved_experts = []
+    for (path, name, kind), seq in ops.items():
+        inside = list(dict.fromkeys(seq))
         within = [(m, p) for m, p in records if m == path or m.startswith(path + ".")]
         if any(p in _KIND_PATTERNS[kind] for _, p in within) or not inside:
             continue
+        experts = kind == "mlp" and name.endswith("Experts")
+        between = _between_matmuls(seq) if experts else None
+        if experts:
+            unserved_experts.append(path)
         what = ", ".join(inside[:10]) + (", ..." if len(inside) > 10 else "")
+        if between:
+            what = "between its expert matmuls " + ", ".join(between)
         others = sorted(  # a helper's sites are its calling module's: none are inside it alone
             {f"{r.pattern}.{r.spelling}" for r in g.report.sites if (r.module, r.pattern) in within}
             if kind != "rope"
@@ -211,6 +238,11 @@ def unserved(g: Graft) -> None:
         served = f" (served inside it: {', '.join(others)})" if others else ""
         why = f"no {kind} pattern matched or came close{served}; it computes {what}"
         g.report.unserved.append(Unserved(path, kind, name, why))
+    g.report.unserved = [
+        u
+        for u in g.report.unserved
+        if not (u.kind == "mlp" and any(e.startswith(u.module + ".") for e in unserved_experts))
+    ]
 
 
 def pair(g: Graft) -> None:

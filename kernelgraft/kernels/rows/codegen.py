@@ -492,4 +492,5 @@ def module_source(spec: Spec, bwd: Backward, qual: str) -> str:
     head = emit.HEADER.format(
         qual=qual, dtypes=dtypes, kinds=spec.kinds, out=str(spec.out_dtype).replace("torch.", "")
     )
-    return head + "\n\n" + forward_source(spec) + "\n\n" + backward_source(spec, bwd)
+    body = forward_source(spec) + "\n\n" + backward_source(spec, bwd)
+    return head + emit.helpers(body) + "\n\n" + body

@@ -104,9 +104,22 @@ def _exp(x):
 """
 
 
-def helpers(body: str) -> str:
-    """The helpers beyond the header that a kernel's source calls (the sigmoid's _exp)."""
-    return "\n\n" + EXP.strip() + "\n" if "_exp(" in body else ""
+# the exp of a kernel whose tensors are all 2-byte: their rounding (2^-9 relative for bf16) is far
+# above tl.exp's error, which then changes no result the accuracy rule can see, and the range
+# reduction's instructions are left out of these memory-bound kernels
+FAST_EXP = """
+@triton.jit
+def _exp(x):
+    return tl.exp(x)
+"""
+
+
+def helpers(body: str, accurate_exp: bool = True) -> str:
+    """The helpers beyond the header that a kernel's source calls (the sigmoid's _exp: range-reduced
+    where `accurate_exp`, a kernel with a float32 or float64 tensor; tl.exp otherwise)."""
+    if "_exp(" not in body:
+        return ""
+    return "\n\n" + (EXP if accurate_exp else FAST_EXP).strip() + "\n"
 
 
 def cse_lines(exprs: list, prefix: str, indent: str) -> tuple[list[str], list[str]]:

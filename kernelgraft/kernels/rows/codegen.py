@@ -493,4 +493,5 @@ def module_source(spec: Spec, bwd: Backward, qual: str) -> str:
         qual=qual, dtypes=dtypes, kinds=spec.kinds, out=str(spec.out_dtype).replace("torch.", "")
     )
     body = forward_source(spec) + "\n\n" + backward_source(spec, bwd)
-    return head + emit.helpers(body) + "\n\n" + body
+    wide = any(d in (torch.float32, torch.float64) for d in (*spec.dtypes.values(), spec.out_dtype))
+    return head + emit.helpers(body, accurate_exp=wide) + "\n\n" + body

@@ -1,0 +1,283 @@
+"""The LoRA kernels' Triton source, generated for the dtypes of x, the adapters and the base output
+(kernel.py has the method and the launches): the rounding points of the spelling, and the tensor-core
+products split so that they stay as exact as float32's (`precision`)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import emit
+from ..cache import load_module
+from ..launching import register_kernels
+
+_ROUND = {
+    torch.float32: "x",
+    torch.bfloat16: "_round_bf16(x)",
+    torch.float16: "x.to(tl.float16).to(tl.float32)",
+}
+
+
+def _rounder(name: str, dtype: torch.dtype) -> str:
+    return f"""
+
+@triton.jit
+def {name}(x):
+    return {_ROUND[dtype]}
+"""
+
+
+_SPLIT = """
+
+@triton.jit
+def _tf32(v):
+    # v rounded to the nearest TF32 value (10 mantissa bits, ties away from zero, as cvt.rna):
+    # exact in one TF32 pass; inf and NaN as they are
+    bits = v.to(tl.int32, bitcast=True)
+    near = ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0x7F800000, v, near)
+
+
+@triton.jit
+def _split(v):
+    # (hi, lo), both exact in TF32: hi + lo is v to 2^-22 of it (lo rounded to TF32, as tf32x3's)
+    hi = _tf32(v)
+    return hi, tl.where(hi == v, 0.0, _tf32(v - hi))
+
+
+@triton.jit
+def _dot_exact_a(a, b, acc):
+    # acc + a @ b with a exact in TF32 (values of a 2-byte dtype): b in two TF32 parts, two passes
+    # (tf32x3's third, a's low part times b's high part, is zero here). The passes start from zero
+    # and their sum is added to acc in float32, as tf32x3's are: a tensor core adding into a running
+    # sum rounds coarser than float32 (on an H200 it made dA 20x less accurate over 4096 rows)
+    hi, lo = _split(b)
+    return acc + tl.dot(a, hi, tl.dot(a, lo, input_precision="tf32"), input_precision="tf32")
+
+
+@triton.jit
+def _dot_exact_b(a, b, acc):
+    # acc + a @ b with b exact in TF32: a in two TF32 parts, two passes
+    hi, lo = _split(a)
+    return acc + tl.dot(hi, b, tl.dot(lo, b, input_precision="tf32"), input_precision="tf32")
+"""
+
+
+def _exact_in_tf32(dtype: torch.dtype) -> bool:
+    """A value of `dtype` is exact in one TF32 pass (8 or 11 significant bits of TF32's 11, fp16's
+    exponents inside TF32's range)."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def kernel_source(
+    name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3"
+) -> str:
+    pd = torch.promote_types(od, ad)
+    head = emit.HEADER.format(
+        qual="lora", dtypes=f"x: {xd}, adapters: {ad}", kinds="rows of x, rank columns", out=str(od)
+    )
+    rounders = _rounder("_r_a", ad) + _rounder("_r_p", pd) + _rounder("_r_o", od) + _rounder("_r_x", xd)
+    split = precision == "tf32x3"
+    # which products have one factor exact in TF32, and so take two passes instead of tf32x3's three:
+    # x's values (down, grad_a) where R_a keeps them (float32 adapters); the output's gradient
+    # (grad_u, grad_b) where R_p keeps it, the scaling then applied to the float32 sums (one
+    # float32 rounding of the sum instead of one of each product's factor: no less accurate)
+    x_exact = split and ad == torch.float32 and _exact_in_tf32(xd)
+    g_exact = split and pd == torch.float32 and _exact_in_tf32(od)
+
+    def dot(a: str, b: str, exact: str | None) -> str:
+        """`acc` plus a @ b as the kernel multiplies: `exact` names a factor exact in TF32."""
+        if exact is not None:
+            return f"_dot_exact_{exact}({a}, {b}, acc)"
+        return f'acc + tl.dot({a}, {b}, input_precision="{precision}")'
+
+    xt_f = "_r_a(xt.to(tl.float32))"
+    down_dot = dot(xt_f, "at.to(tl.float32)", "a" if x_exact else None)
+    grad_a_dot = dot("tl.trans(dut.to(tl.float32))", xt_f, "b" if x_exact else None)
+    gu = "_g(g_ptr, t, n, T, N, sg)" if g_exact else "_gv(g_ptr, t, n, T, N, sg, s)"
+    grad_u_dot = dot(gu, "bt.to(tl.float32)", "a" if g_exact else None)
+    grad_b_dot = dot(f"tl.trans({gu})", "ut.to(tl.float32)", "a" if g_exact else None)
+    # the fused du and dB: g's tile loaded once for both products; B's tile is the program's own,
+    # split once before the loop where g is exact; du's products of one tile start from zero
+    ub_b_dot = dot("tl.trans(gt)", "ut.to(tl.float32)", "a" if g_exact else None)
+    if g_exact:
+        b_parts = "\n    bhi, blo = _split(bt)"
+        ub_u_dot = 'tl.dot(gt, bhi, tl.dot(gt, blo, input_precision="tf32"), input_precision="tf32") * s'
+    else:
+        b_parts = ""
+        ub_u_dot = f'tl.dot(gt, bt, input_precision="{precision}")'
+    # the scaling left out of the products above, applied to their sums
+    scaled = "\n    acc = acc * s" if g_exact else ""
+    return (
+        head
+        + rounders
+        + (_SPLIT if x_exact or g_exact else "")
+        + f'''
+
+@triton.jit
+def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su,
+                BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    # u[t, :] = R_a(x[t, :] @ A^T): x read once, in its dtype, summed in float32
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    r = tl.arange(0, BR)
+    acc = tl.full((BT, BR), 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
+        at = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
+        acc = {down_dot}
+    tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc), mask=(t[:, None] < T) & (r[None, :] < R))
+
+
+@triton.jit
+def {name}_up(o_ptr, base_ptr, u_ptr, b_ptr, s, T, N, R, so, sbase, su, sb,
+              BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # o = R_o(R_p(base + R_a(R_a(u @ B^T) * s)))
+    s = tl.full([], s, tl.float32)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    r = tl.arange(0, BR)
+    ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+    bt = tl.load(b_ptr + n[None, :] * sb + r[:, None], mask=(n[None, :] < N) & (r[:, None] < R), other=0.0)
+    v = _r_a(tl.dot(ut.to(tl.float32), bt.to(tl.float32), input_precision="{precision}"))
+    m = (t[:, None] < T) & (n[None, :] < N)
+    base = tl.load(base_ptr + t[:, None] * sbase + n[None, :], mask=m, other=0.0).to(tl.float32)
+    y = _r_o(_r_p(base + _r_a(v * s)))
+    tl.store(o_ptr + t[:, None] * so + n[None, :], y, mask=m)
+
+
+@triton.jit
+def _g(g_ptr, t, n, T, N, sg):
+    g = tl.load(g_ptr + t[:, None] * sg + n[None, :], mask=(t[:, None] < T) & (n[None, :] < N), other=0.0)
+    return _r_a(_r_p(g.to(tl.float32)))
+
+
+@triton.jit
+def _gv(g_ptr, t, n, T, N, sg, s):
+    return _r_a(_g(g_ptr, t, n, T, N, sg) * s)
+
+
+@triton.jit
+def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
+                  BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
+    # du = R_a(gv @ B), summed over the output width; SPLIT: over one split of it (`cols` columns),
+    # its float32 sums stored at du_ptr as part[split, t, r], added and rounded afterwards
+    s = tl.full([], s, tl.float32)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    r = tl.arange(0, BR)
+    lo = tl.program_id(1) * cols
+    acc = tl.full((BT, BR), 0.0, tl.float32)
+    for n0 in range(lo, lo + cols, BN):
+        n = n0 + tl.arange(0, BN)
+        bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+        acc = {grad_u_dot}{scaled}
+    m = (t[:, None] < T) & (r[None, :] < R)
+    if SPLIT:
+        tl.store(du_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
+    else:
+        tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc), mask=m)
+
+
+@triton.jit
+def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
+                  BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # dB's float32 sums of gv^T @ u over one split of the rows: part[split, n, r]
+    s = tl.full([], s, tl.float32)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.arange(0, BR)
+    lo = tl.program_id(1) * rows
+    acc = tl.full((BN, BR), 0.0, tl.float32)
+    for t0 in range(lo, lo + rows, BT):
+        t = t0 + tl.arange(0, BT)
+        ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+        acc = {grad_b_dot}{scaled}
+    out = part_ptr + tl.program_id(1) * N * R + n[:, None] * R + r[None, :]
+    tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
+
+
+@triton.jit
+def {name}_grad_ub(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sb, su, rows,
+                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # du and dB from one read of the output's gradient: a program takes BN columns of it over one
+    # split of the rows. du's float32 sums over the program's columns, per row: dupart[column
+    # block, t, r] (added over the blocks afterwards, as du's split sums are); dB's float32 sums
+    # over the split's rows: dbpart[split, n, r]
+    s = tl.full([], s, tl.float32)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.arange(0, BR)
+    bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+    bt = bt.to(tl.float32){b_parts}
+    lo = tl.program_id(1) * rows
+    acc = tl.full((BN, BR), 0.0, tl.float32)
+    for t0 in range(lo, lo + rows, BT):
+        t = t0 + tl.arange(0, BT)
+        gt = {gu}
+        ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+        acc = {ub_b_dot}
+        du = {ub_u_dot}
+        m = (t[:, None] < T) & (r[None, :] < R)
+        tl.store(dupart_ptr + tl.program_id(0) * T * R + t[:, None] * R + r[None, :], du, mask=m){scaled}
+    out = dbpart_ptr + tl.program_id(1) * N * R + n[:, None] * R + r[None, :]
+    tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
+
+
+@triton.jit
+def {name}_grad_a(du_ptr, x_ptr, part_ptr, T, K, R, sdu, sx, rows,
+                  BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    # dA's float32 sums of du^T @ R_a(x) over one split of the rows: part[split, r, k]
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    r = tl.arange(0, BR)
+    lo = tl.program_id(1) * rows
+    acc = tl.full((BR, BK), 0.0, tl.float32)
+    for t0 in range(lo, lo + rows, BT):
+        t = t0 + tl.arange(0, BT)
+        dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+        xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
+        acc = {grad_a_dot}
+    out = part_ptr + tl.program_id(1) * R * K + r[:, None] * K + k[None, :]
+    tl.store(out, acc, mask=(r[:, None] < R) & (k[None, :] < K))
+
+
+@triton.jit
+def {name}_grad_x(dx_ptr, du_ptr, a_ptr, T, K, R, sdx, sdu, sa,
+                  BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    # dx = R_x(R_a(du @ A)): the cast's gradient, x's dtype
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    r = tl.arange(0, BR)
+    dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+    at = tl.load(a_ptr + r[:, None] * sa + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+    dx = _r_x(_r_a(tl.dot(dut.to(tl.float32), at.to(tl.float32), input_precision="{precision}")))
+    tl.store(dx_ptr + t[:, None] * sdx + k[None, :], dx, mask=(t[:, None] < T) & (k[None, :] < K))
+'''
+    )
+
+
+def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype) -> str:
+    return f"lora__{str(xd)[6:]}__{str(ad)[6:]}__{str(od)[6:]}"
+
+
+@functools.cache
+def kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str):
+    """The module of LoRA kernels for x of dtype xd, adapters of dtype ad and a base output of dtype
+    od (the interpreter's on the CPU)."""
+    name = kernel_name(xd, ad, od)
+    source = kernel_source(name, xd, ad, od, precision(ad))
+    mod, _ = load_module(name, source, interpret=device_type == "cpu")
+    register_kernels(name)
+    return mod, name
+
+
+def precision(ad: torch.dtype) -> str:
+    """How tl.dot multiplies on the GPU's tensor cores, exactly enough for the spelling's float32
+    sums. Every factor of a product is a value of the adapters' dtype or of x's (R_a, R_x), or u /
+    du / gv, rounded to the adapters' dtype. A bf16 or fp16 value is exact in TF32 (8 or 10
+    mantissa bits of TF32's 10, fp16's exponent inside TF32's range): one TF32 pass multiplies
+    exactly. A float32 value is split in a TF32 high part and a TF32 low part: three passes
+    (hi*hi + hi*lo + lo*hi) leave out only lo*lo, 2^-22 below the product. Where one factor is
+    exact in TF32 (x's values, or the output's gradient, in bf16/fp16 with float32 adapters) it
+    has no low part, and the kernels split the other factor themselves: two passes, the same
+    products (kernel_source). The sums are float32, as IEEE's. (The interpreter multiplies in
+    float32: there the split leaves each product 2^-22 of it off, as on the GPU.)"""
+    return "tf32x3" if ad == torch.float32 else "tf32"

@@ -255,10 +255,10 @@ def measure_pattern(name, fn, liger_name, make, floor_bytes):
 
 
 def loop_times(loops: dict, rounds: int = 7, calls: int = 40, sync=None) -> dict:
-    """fwd+bwd ms per call as a training loop runs it: `calls` calls back to back, one
+    """fwd+bwd ms each as a training loop runs them: `calls` of them back to back, one
     synchronization at the end, the host free to run ahead of the device as far as it can. The
     implementations take turns, each round in another order, and each one's median round is kept:
-    do_bench above times each call between two events after clearing the L2 cache, which, where
+    do_bench above times each one between two events after clearing the L2 cache, which, where
     the host is slower than the device, times the host's jitter as well (its medians of one
     host-bound case moved by 20 % between three runs in one process on the H200)."""
     import statistics

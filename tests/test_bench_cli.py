@@ -158,5 +158,5 @@ def test_loop_times_take_turns_and_keep_each_ones_median():
 
     got = suite.loop_times({"a": work("a", 0.002), "b": work("b", 0.0)}, rounds=3, calls=5, sync=lambda: None)
     assert got["a"] > 1.5 and got["b"] < 1.0  # ms per call
-    firsts = [order[i] for i in range(0, len(order), 6)]  # each turn: a warm-up call and 5 timed
+    firsts = [order[i] for i in range(0, len(order), 6)]  # each turn: one to warm up and 5 timed
     assert firsts == ["a", "b", "b", "a", "a", "b"]

@@ -45,6 +45,9 @@ def row_sources():
                 src = module_source(k.spec, k.backward, sp.qualname)
                 key = f"{sp.qualname} {'/'.join(_name(dtypes[n]) for n in names)} {rounding}"
                 yield key, src
+                cuda = row_kernel(sp, dtypes, kinds, rounding, "cuda")
+                if cuda is not k:  # rounds as CUDA's eager kernels do, where they differ from the CPU's
+                    yield f"{key} cuda", module_source(cuda.spec, cuda.backward, sp.qualname)
 
 
 def lm_head_sources():

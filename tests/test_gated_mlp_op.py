@@ -147,6 +147,60 @@ def test_clamped_swiglu_passes_the_gradient_at_its_bounds_as_autograd_does(round
     assert (dg[0, :2] != 0).all() and dg[0, 2] == 0 and (du[0, :2] != 0).all() and (du[0, 3:5] == 0).all()
 
 
+class _SigmoidAsCuda(torch.autograd.Function):
+    """torch.sigmoid with CUDA's backward for bf16/fp16: `a * (scalar_t(1.) - b) * b` in 2-byte
+    arithmetic, each step rounded to the dtype (the CPU's rounds bf16 once, fp16 the same way)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.sigmoid(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, a):
+        (y,) = ctx.saved_tensors
+        return a * (1 - y) * y  # bf16/fp16 tensors: each op rounds to their dtype, as c10's do
+
+
+def _clamped_grads(gate, up, g, sigmoid):
+    gate, up = (t.detach().requires_grad_() for t in (gate, up))
+    limit, floor, alpha = LIMITS
+    glu = gate.clamp(max=limit) * sigmoid(gate.clamp(max=limit) * alpha)
+    out = (up.clamp(min=floor, max=limit) + 1) * glu
+    return torch.autograd.grad(out, (gate, up), g)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("rounds", ["cpu", "cuda"])
+def test_the_sigmoids_gradient_rounds_as_each_devices_eager(rounds, dtype, monkeypatch):
+    """The H200's thorough profile drew a bf16 case (a gate of constant rows near -4.5) where the
+    kernel's gate gradient was 1.24x CUDA eager's error: CUDA's sigmoid_backward rounds 1 - y, its
+    product with the incoming gradient and that times y each to bf16, where the CPU's rounds once
+    (in fp16 both devices round each step).
+    The kernel for CUDA tensors rounds as CUDA's eager does, the CPU's as the CPU's: both run here
+    in Triton's interpreter, against eager on the CPU with CUDA's backward reproduced op by op."""
+    from kernelgraft.kernels.rows import build
+
+    monkeypatch.setattr(build, "rounds_for", lambda device: rounds)
+    sp = REGISTRY.get("gated_mlp", "clamped_swiglu")
+    gate, up, *_ = clamped_inputs(64, 256, dtype, seed=3)
+    g = torch.randn(gate.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    want = {
+        "cpu": _clamped_grads(gate, up, g, torch.sigmoid),
+        "cuda": _clamped_grads(gate, up, g, _SigmoidAsCuda.apply),
+    }
+    a, b = (t.detach().requires_grad_() for t in (gate, up))
+    got = torch.autograd.grad(op_for(sp, "autograd")(a, b, *LIMITS), (a, b), g)
+    other = {"cpu": "cuda", "cuda": "cpu"}[rounds]
+    for i, what in enumerate(("grad gate", "grad up")):
+        same, apart = [int((got[i] != want[k][i]).sum()) for k in (rounds, other)]
+        print(f"{rounds} {what}: {same} differ from its eager, {apart} from the other's")
+        assert same == 0, (what, same)
+    if dtype == torch.bfloat16:  # the devices' roundings differ (in fp16 they agree)
+        assert int((got[0] != want[other][0]).sum()) >= 50
+
+
 class ClampedGate(nn.Module):
     """An MLP with the clamped SwiGLU between its projections, spelled as a model writes it."""
 

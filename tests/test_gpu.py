@@ -77,7 +77,8 @@ def test_deterministic():
 # torch.compile keeps fp32 between the residual add, the norm and RoPE inside one fused kernel,
 # while the grafted graph stores the norm's input, output and incoming gradient in bf16 at the cut.
 # Fusing those neighbours into the pattern would close it; strict: a pass is news. Llama passes
-# (q and k share one launch, read in place). On the CPU, with one batch the loss is one number and
+# (q and k share one launch, read in place), and Gemma-2 since the norms add the residual stream
+# themselves (rewriter/residual.py; passed on an H200 twice, 2026-12-04). On the CPU, with one batch the loss is one number and
 # a norm weight's gradient a few dozen, so these checks are largely a draw of the rounding; over
 # 32 batches Gemma-2 passes (tests/test_inductor_bf16.py), and Qwen3 over batches 65-192 (its loss
 # over batches 1-64 misses by 10 %: noise of that size remains at 64 numbers). These GPU cases are
@@ -88,7 +89,7 @@ CASES = [
         arch,
         backend,
         dtype,
-        marks=_CUT if (backend, dtype) == ("inductor", torch.bfloat16) and arch != "llama" else (),
+        marks=_CUT if (backend, dtype, arch) == ("inductor", torch.bfloat16, "qwen3") else (),
     )
     for arch in ("llama", "gemma2", "qwen3")
     for backend in ("eager", "inductor")

@@ -39,6 +39,7 @@ class Local:
     y: object
     low: str | None
     device: str
+    grad: object = None  # the incoming gradient (held in the value's dtype), for `gradient` rules
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +53,10 @@ class Primitive:
     # Local -> [d y / d input_i] where autograd's rule is not sympy.diff of `forward` (PyTorch
     # differentiates tanh and sigmoid from their saved output); None: sympy.diff
     derivative: Callable | None = None
+    # Local -> [the gradient each input receives] where autograd's kernel rounds between the
+    # incoming gradient and the derivative (CUDA's sigmoid_backward in bf16/fp16); None, or None
+    # returned: the incoming gradient times `derivative`, rounded once
+    gradient: Callable | None = None
     triton: str = ""  # Triton template of `forward`'s sympy function, where sympy has it ({0}: argument)
     commutative: bool = False  # operands match in either order
     generic: bool = False  # common arithmetic: a near miss that differs only here says nothing
@@ -121,6 +126,17 @@ def _tanh_derivative(n: Local) -> list:
     return [1 - n.y**2]
 
 
+def _sigmoid_gradient(n: Local) -> list | None:
+    """sigmoid_backward(a, y) = a * (1 - y) * y as PyTorch's kernels round it: CUDA's, for bf16 and
+    fp16, in c10's 2-byte arithmetic (`a * (scalar_t(1.) - b) * b`: 1 - y, its product with the
+    incoming gradient a, and that times y each rounded to the dtype); the CPU's the same way for
+    fp16, and in float32, rounded once, for bf16 (torch 2.13, element by element). Found by the H200
+    thorough profile (GPT-OSS's clamped SwiGLU in bf16, a gate of constant rows)."""
+    if n.low is None or (n.device != "cuda" and n.low != "float16"):
+        return None
+    return [round_to(round_to(n.grad * round_to(1 - n.y, n.low), n.low) * n.y, n.low)]
+
+
 _SQRT_2_OVER_PI = sympy.sqrt(2 / sympy.pi)
 
 
@@ -158,7 +174,7 @@ for _p in (
     Primitive("tanh", (torch.tanh, F.tanh, "tanh"), forward=sympy.tanh, derivative=_tanh_derivative,
               triton="_tanh({0})"),
     Primitive("sigmoid", (torch.sigmoid, F.sigmoid, "sigmoid"), forward=Sigmoid,
-              derivative=lambda n: [n.y * (1 - n.y)]),
+              derivative=lambda n: [n.y * (1 - n.y)], gradient=_sigmoid_gradient),
     Primitive("erf", (torch.erf, torch.special.erf, "erf"), forward=sympy.erf, triton="tl.erf({0})"),
     # activations
     Primitive("silu", (F.silu,), forward=lambda a: a * Sigmoid(a)),

@@ -61,9 +61,19 @@ def _local_derivatives(n, device: str = "cpu") -> list:
     return [sympy.diff(f, u).subs(subs) for u in us]
 
 
+def _whole_gradients(n, G, device: str) -> list | None:
+    """The gradients n's inputs receive, where the primitive's rule rounds between the incoming
+    gradient G and its derivative as autograd's kernel on `device` does (None: G * derivative)."""
+    prim = PRIMITIVES.get(n.op)
+    if prim is None or prim.gradient is None or n.reduce is not None:
+        return None
+    low = LOW.get(n.dtype)
+    return prim.gradient(Local(tuple(i.value for i in n.inputs), n.value, low, device, G))
+
+
 def derive(spec: Spec, device: str = "cpu") -> Backward:
-    """device: 'cuda' reproduces CUDA eager's rounding where it differs from the CPU's (tanh's
-    backward in bf16/fp16); with rounding='fused' it changes nothing."""
+    """device: 'cuda' reproduces CUDA eager's rounding where it differs from the CPU's (the
+    backward of tanh and of sigmoid in bf16/fp16); with rounding='fused' it changes nothing."""
     g = sympy.Symbol("g")
     fused = spec.rounding == "fused"
 
@@ -105,10 +115,12 @@ def derive(spec: Spec, device: str = "cpu") -> Backward:
             c = G / spec.N if n.reduce == "mean" else G
             contrib.setdefault(id(s), []).append((_round(c, n.dtype), "row"))
             continue
-        for inp, d in zip(n.inputs, _local_derivatives(n, "cpu" if fused else device)):
+        dev = "cpu" if fused else device
+        whole = None if fused else _whole_gradients(n, G, dev)
+        for i, (inp, d) in enumerate(zip(n.inputs, _local_derivatives(n, dev))):
             if inp.level == "scalar" or d == 0:
                 continue
-            c = G * d
+            c = G * d if whole is None else whole[i]
             if n.level != "col":
                 c = _round(c, n.dtype)
                 if inp.level == n.level:

@@ -12,7 +12,7 @@ import torch
 from ..fallback import generation_failed
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
 from . import layout
-from .build import MAX_N, MAX_ROWS, RowKernel, row_kernel
+from .build import MAX_N, MAX_ROWS, RowKernel, rounds_for, row_kernel
 from .codegen import backward_source, forward_source
 from .ops import GraftedOp, op_for, pair_op_for
 
@@ -37,7 +37,8 @@ class RowFamily(Family):
             lay = layout.layout(spelling, metas)
             if isinstance(lay.M, int) and lay.M > MAX_ROWS:
                 return f"{lay.M} rows; generated kernels index at most {MAX_ROWS} rows in one tensor"
-            row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding)
+            rounds = rounds_for(first.device) if hasattr(first, "device") else "cpu"
+            row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding, rounds)
         except (Unsupported, ValueError) as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong

@@ -1,10 +1,14 @@
 """A generated row kernel pair, built once per (spelling, dtypes, kinds, rounding): the spec, its
 derived backward, the Triton module source (written to the cache), and the compiled kernels per
 device: compiled by Triton on CUDA, run by Triton's interpreter on the CPU, from the same source.
+Where CUDA's eager kernels round differently from the CPU's in a spelling's backward (tanh and
+sigmoid held in bf16/fp16: ir/primitives.py), the kernel for CUDA tensors is derived to round as
+CUDA's do: a second source, named `<spec>__cuda`; the CPU tests run it through the interpreter too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,18 +71,25 @@ class RowKernel:
 
 
 @functools.cache
-def _row_kernel(spelling, dtypes: tuple, kinds: tuple, rounding: str) -> RowKernel:
+def _row_kernel(spelling, dtypes: tuple, kinds: tuple, rounding: str, rounds: str = "cpu") -> RowKernel:
     spec = build_spec(spelling, dict(dtypes), dict(kinds), rounding)
-    bwd = derive(spec)
+    bwd = derive(spec, rounds)
+    if rounds != "cpu":
+        cpu = _row_kernel(spelling, dtypes, kinds, rounding, "cpu")
+        if bwd.grads == cpu.backward.grads and bwd.adjoints == cpu.backward.adjoints:
+            return cpu  # the devices' eager kernels round alike here: one kernel
+        spec = dataclasses.replace(spec, name=f"{spec.name}__{rounds}")
     src = module_source(spec, bwd, spelling.qualname)
     _, path = load_module(spec.name, src)
     register_kernels(spec.name)
     return RowKernel(spec, bwd, src, path)
 
 
-def row_kernel(spelling, dtypes: dict, kinds: dict, rounding: str = "autograd") -> RowKernel:
+def row_kernel(spelling, dtypes: dict, kinds: dict, rounding: str = "autograd", rounds: str = "cpu") -> RowKernel:
     """The generated kernel pair of `spelling` for these argument dtypes and kinds ("elem": one
     value per element, "col": one per column, a weight), built once: spec, derived backward, source.
+    rounds: whose eager kernels' rounding the backward reproduces where the devices differ ("cpu",
+    "cuda": rounds_for(device)).
 
     >>> import torch, kernelgraft
     >>> sp = kernelgraft.patterns.REGISTRY.get("rms_norm", "llama")
@@ -89,11 +100,19 @@ def row_kernel(spelling, dtypes: dict, kinds: dict, rounding: str = "autograd") 
     """
     names = spelling.tensor_names
     dt = tuple((n, dtypes[n]) for n in names)
-    return _row_kernel(spelling, dt, tuple((n, kinds[n]) for n in names), rounding)
+    return _row_kernel(spelling, dt, tuple((n, kinds[n]) for n in names), rounding, rounds)
+
+
+def rounds_for(device) -> str:
+    """Whose eager rounding a kernel for tensors on `device` reproduces: CUDA's on a CUDA device,
+    the CPU's elsewhere (the CPU, and meta tensors that only ask what would be served)."""
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
 
 
 
 
 def kernel_for(spelling, group, rounding: str) -> RowKernel:
     """The kernel of a launch group (layout.Group): its tensors' dtypes and kinds."""
-    return row_kernel(spelling, {n: t.dtype for n, t in group.tensors.items()}, group.lay.kinds, rounding)
+    first = next(iter(group.tensors.values()))
+    dtypes = {n: t.dtype for n, t in group.tensors.items()}
+    return row_kernel(spelling, dtypes, group.lay.kinds, rounding, rounds_for(first.device))

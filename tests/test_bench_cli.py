@@ -160,3 +160,28 @@ def test_loop_times_take_turns_and_keep_each_ones_median():
     assert got["a"] > 1.5 and got["b"] < 1.0  # ms per call
     firsts = [order[i] for i in range(0, len(order), 6)]  # each turn: one to warm up and 5 timed
     assert firsts == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_profile_lora_ub_groups_kernels_and_tables_both_builds(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import profile_lora_ub as p
+
+    assert p.group("lora__bfloat16__float32__bfloat16_grad_ub") == "LoRA"
+    assert p.group("triton_poi_fused_add_view_3") == "inductor"
+    assert p.group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "cuBLAS"
+    assert p.group("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert p.group("rms_norm__llama__fused_bwd").startswith("the rest")
+    build = lambda ub: dict(  # noqa: E731
+        wall_ms=210.0, wall_least_ms=205.0, walls_ms=[210.0], device_ms=200.0,
+        groups_ms={"LoRA": 30.0 + ub}, kernels={"nvjet_a": [100.0, 4], **({"lora__x_grad_ub": [ub, 112]} if ub else {})},
+    )  # fmt: skip
+    md = p.markdown({"one read": build(11.5), "apart": build(0.0)})
+    assert "| wall ms, median (least) | 210.0 (205.0) | 210.0 (205.0) |" in md
+    assert "| LoRA | 41.5 | 30.0 |" in md
+    assert "| `lora__x_grad_ub` | 11.50 (112) | 0.00 (0) |" in md
+    assert md.index("nvjet_a") < md.index("lora__x_grad_ub")  # the largest kernels first
+    assert p.main([]) == 1 or torch.cuda.is_available()  # without a GPU it says so
+    del sys.modules["profile_lora_ub"]

@@ -578,6 +578,8 @@ def survey(arch: str, grads: bool = True) -> dict:
             [str(m) for m in rep.near_misses]
             + [str(u) for u in rep.unserved]
             + [f"{r.module}: {r.reason}" for r in rep.fallbacks]
+            # sites in code dynamo did not capture: its graph breaks say why
+            + [f"dynamo's graph breaks (x{n}): {why}" for why, n in rep.graph_breaks.most_common()]
         )
         row["why"] = f"missing {', '.join(missing)}" + (f"; {reasons[0][:160]}" if reasons else "")
         return row

@@ -606,3 +606,42 @@ def test_a_bad_lm_head_memory_is_refused(bad):
         kernelgraft.Options(lm_head_memory=bad)
     with pytest.raises(ValueError, match="not both"):
         kernelgraft.Options(lm_head_memory=2.0, lm_head_chunk=512)
+
+
+class NgramHead(torch.nn.Module):
+    """A model that declares its output embeddings (Hugging Face's get_output_embeddings) and
+    computes a loss the LM head patterns do not spell: log_softmax, then nll_loss, label-smoothed
+    by hand (ProphetNet's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.lm_head = torch.nn.Linear(16, 50, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, ids, targets=None):
+        logits = self.lm_head(self.emb(ids))
+        if targets is None:
+            return logits
+        lp = F.log_softmax(logits.view(-1, 50), dim=-1, dtype=torch.float32)
+        return 0.9 * F.nll_loss(lp, targets.view(-1)) - 0.1 * lp.sum(-1).mean() / 50
+
+
+def test_an_lm_head_left_unserved_is_reported_with_where_its_logits_go():
+    ids = torch.randint(0, 50, (3, 9))
+    rep = kernelgraft.explain(NgramHead(), ids, ids)
+    assert "lm_head_ce" not in rep.counts()
+    heads = [u for u in rep.unserved if u.kind == "lm_head"]
+    assert [(u.module, u.cls) for u in heads] == [("lm_head", "Linear")], str(rep)
+    assert "its logits go to" in heads[0].reason and "log_softmax" in heads[0].reason
+    assert "nll_loss" in heads[0].reason and "lm_head (Linear, the LM head)" in str(rep)
+    # no loss in the graph (no labels): the logits leave it, and the report says so
+    (u,) = [u for u in kernelgraft.explain(NgramHead(), ids).unserved if u.kind == "lm_head"]
+    assert "leave the graph with no loss computed on them" in u.reason
+    # served: nothing reported; a model that declares no output embeddings: no LM head is assumed
+    assert not [u for u in kernelgraft.explain(Loop(), ids, ids).unserved if u.kind == "lm_head"]
+    model = tiny_model("llama")
+    rep = kernelgraft.explain(model, **batch())
+    assert rep.counts()["lm_head_ce"] == 1 and not [u for u in rep.unserved if u.kind == "lm_head"]

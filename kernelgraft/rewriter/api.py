@@ -114,6 +114,7 @@ def optimize(
         fuse_projections=fuse_projections,
     )
     grafter = Grafter(patterns=patterns, options=options)
+    grafter.heads = output_heads(model)
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
@@ -305,6 +306,20 @@ def _nested(compiled, model, *args, **kwargs):
     return _run(compiled, model, *args, **kwargs)
 
 
+def output_heads(model: torch.nn.Module) -> tuple[str, ...]:
+    """The paths (as `named_modules` names them) of the model's output embeddings, where it declares
+    them (Hugging Face's `get_output_embeddings`): where an LM head + loss site is expected, and
+    reported when none is served, refused or close."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model whose accessor fails declares no head
+        return ()
+    if not isinstance(head, torch.nn.Module):
+        return ()
+    return tuple(name for name, m in model.named_modules() if m is head and name)
+
+
 def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteReport:
     """Capture `model(*args, **kwargs)` once, without changing the model, and report what
     kernelgraft would replace (`.counts()`, `.sites`), what it would not serve (`.fallbacks`)
@@ -326,6 +341,7 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
     # explain shows what a training step would get (the LM head fused) though it captures under no_grad
     grafter = Grafter("eager", patterns, dry_run=True, training=True)
+    grafter.heads = output_heads(model)
     from torch._dynamo.utils import counters  # import here: dynamo's, read around the capture
 
     before = Counter(counters["graph_break"])

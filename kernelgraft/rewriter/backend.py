@@ -72,6 +72,7 @@ class Grafter:
         self.dry_run = dry_run
         self.probe = probe
         self.training = training
+        self.heads: tuple = ()  # the model's output embeddings' paths (api.output_heads), set by its caller
         self.report = RewriteReport()
         self._grafted_whole = False  # set while DDP's pieces of an already grafted graph come in
         ddp.install()
@@ -89,6 +90,7 @@ class Grafter:
             probe=self.probe,
             training=self.training,
             runtime_masks=runtime_masks,
+            heads=self.heads,
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):

@@ -42,6 +42,7 @@ class Graft:
     probe: Callable | None = None  # a dry run's hook: probe(record, spelling, values) per served site
     training: bool = True  # the sites run with gradients (the LM head is fused only then)
     runtime_masks: bool = True  # masks read from graph inputs may be checked at run time
+    heads: tuple = ()  # the model's output embeddings (output_heads): where an LM head + loss is expected
     report: RewriteReport = field(default_factory=lambda: RewriteReport(graphs=1))
     canonical: CGraph | None = None
     taken: set = field(default_factory=set)  # fx nodes of the sites matched so far
@@ -243,6 +244,47 @@ def unserved(g: Graft) -> None:
         for u in g.report.unserved
         if not (u.kind == "mlp" and any(e.startswith(u.module + ".") for e in unserved_experts))
     ]
+    if g.training and g.heads and not any(p == "lm_head_ce" for _, p in records):
+        g.report.unserved += _unserved_heads(g)
+
+
+# ops a model's logits pass through on their way to a loss: what the report names is the rest
+_LOGIT_PLUMBING = {"cast", "view", "reshape", "contiguous", "clone", "transpose", "permute", "getitem", "slice"}
+
+
+def _unserved_heads(g: Graft) -> list[Unserved]:
+    """The model's LM head (its output embeddings) called in a training graph where no LM head +
+    loss site was served, refused or came close: the ops its logits go to, or that they leave the
+    graph with no loss computed on them (labels not passed, or a graph break before the loss)."""
+    out = []
+    for c in g.canonical.nodes:
+        if c.op != "linear" or c.fx is None:
+            continue
+        stack = own_modules(c.fx.meta.get("nn_module_stack"))
+        if not stack or readable_path(stack[-1][0]) not in g.heads:
+            continue
+        path, cls = readable_path(stack[-1][0]), stack[-1][1]
+        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+        ops, seen, todo = [], {c.fx}, list(c.fx.users)
+        while todo and len(ops) < 10:
+            n = todo.pop(0)
+            if n in seen or n.op == "output":
+                continue
+            seen.add(n)
+            at = g.canonical.of_fx.get(n)
+            op = at.op.removeprefix("opaque:") if at is not None else getattr(n.target, "__name__", str(n.target))
+            if op not in ops:
+                ops.append(op)
+            todo += list(n.users)
+        loss = [op for op in ops if op not in _LOGIT_PLUMBING]
+        goes = (
+            f"its logits go to {', '.join(ops)}"
+            if loss
+            else "its logits leave the graph with no loss computed on them in it (labels not passed, or a graph "
+            "break before the loss: the LM head is fused with a cross-entropy in the same graph)"
+        )
+        out.append(Unserved(path, "lm_head", name, f"no lm_head_ce pattern matched or came close; {goes}"))
+    return out
 
 
 def pair(g: Graft) -> None:
@@ -272,7 +314,7 @@ def regions(g: Graft) -> None:
     # layer) is a graph of its own, called through a higher-order op: graft it too. Its mask arrives
     # as an input there, and run-time checks wrap only the outer graph: static proofs only
     for body in _checkpointed_bodies(g.gm):
-        sub = Graft(body, g.spellings, g.options, g.dry_run, g.probe, g.training, runtime_masks=False)
+        sub = Graft(body, g.spellings, g.options, g.dry_run, g.probe, g.training, runtime_masks=False, heads=g.heads)
         g.report.add(run(sub))
 
 
@@ -304,11 +346,13 @@ def graft(
     probe: Callable | None = None,
     training: bool | None = None,
     runtime_masks: bool = True,
+    heads: tuple = (),
 ) -> RewriteReport:
     """Run the passes over one dynamo graph; edit it unless dry_run. training: None, whether
-    gradients are on now (a capture's own state)."""
+    gradients are on now (a capture's own state). heads: the model's output embeddings' paths
+    (output_heads), where an LM head that is not served is reported."""
     training = torch.is_grad_enabled() if training is None else training
-    g = Graft(gm, list(spellings), options or Options(), dry_run, probe, training, runtime_masks)
+    g = Graft(gm, list(spellings), options or Options(), dry_run, probe, training, runtime_masks, heads=heads)
     return run(g)
 
 

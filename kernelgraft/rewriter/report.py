@@ -115,16 +115,17 @@ class NearMiss:
 class Unserved:
     """A norm or MLP module, or a rotary helper function, the model calls where no site was served,
     refused or came close: what it computes (its canonical ops), so a user sees what was skipped
-    and a contributor what to write a pattern for."""
+    and a contributor what to write a pattern for. The model's LM head (its output embeddings) in a
+    training graph where no LM head + loss site was: the ops its logits go to."""
 
     module: str  # the module's path; a rotary helper's: the module that calls it
-    kind: str  # "norm" | "mlp" | "rope"
+    kind: str  # "norm" | "mlp" | "rope" | "lm_head"
     cls: str  # the module's class name; a rotary helper's function name
     reason: str
     graph: object = 0
 
     def __str__(self) -> str:
-        what = {"mlp": "an MLP", "norm": "a norm", "rope": "a rotary helper"}[self.kind]
+        what = {"mlp": "an MLP", "norm": "a norm", "rope": "a rotary helper", "lm_head": "the LM head"}[self.kind]
         return f"{self.module} ({self.cls}, {what}): {self.reason}"
 
 

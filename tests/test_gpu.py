@@ -165,6 +165,7 @@ def test_every_spelling_thorough_on_gpu(sp, request):
     # pass this test, 200 examples each.)
     low = 16 if sp.kernel == "lm_head_ce" else 4
     count = EXAMPLES_RUN.setdefault(sp.qualname, [0])
+    failed: list = []
 
     @_thorough_settings()
     @given(strategies.cases(sp, min_rows=low, max_width=wide, dtype_choices=dtypes_for(sp), device="cuda"))
@@ -174,6 +175,9 @@ def test_every_spelling_thorough_on_gpu(sp, request):
             print(f"{sp.qualname}: {count[0]} examples so far", flush=True)
         verdicts = check_spelling(sp, case.args, compile_ref=False)  # eager alone: the stricter bound
         bad = [str(v) for v in verdicts if not v.ok]
+        if bad and not failed:  # said at once (with -s): a run cut short by its time keeps the case
+            failed.append(case)
+            print(f"\n{sp.qualname}: first failing case {case!r}: {'; '.join(bad)}", flush=True)
         assert not bad, "\n".join(bad)
 
     check()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
+from tiny import with_backward
 from torch import nn
 
 import kernelgraft
@@ -147,20 +148,9 @@ def test_clamped_swiglu_passes_the_gradient_at_its_bounds_as_autograd_does(round
     assert (dg[0, :2] != 0).all() and dg[0, 2] == 0 and (du[0, :2] != 0).all() and (du[0, 3:5] == 0).all()
 
 
-class _SigmoidAsCuda(torch.autograd.Function):
-    """torch.sigmoid with CUDA's backward for bf16/fp16: `a * (scalar_t(1.) - b) * b` in 2-byte
-    arithmetic, each step rounded to the dtype (the CPU's rounds bf16 once, fp16 the same way)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.sigmoid(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, a):
-        (y,) = ctx.saved_tensors
-        return a * (1 - y) * y  # bf16/fp16 tensors: each op rounds to their dtype, as c10's do
+# CUDA's sigmoid_backward for bf16/fp16: `a * (scalar_t(1.) - b) * b` in 2-byte arithmetic, each
+# step rounded to the dtype (the CPU's rounds bf16 once, fp16 the same way as CUDA)
+_sigmoid_as_cuda = with_backward(torch.sigmoid, lambda a, y: a * (1 - y) * y)
 
 
 def _clamped_grads(gate, up, g, sigmoid):
@@ -188,7 +178,7 @@ def test_the_sigmoids_gradient_rounds_as_each_devices_eager(rounds, dtype, monke
     g = torch.randn(gate.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
     want = {
         "cpu": _clamped_grads(gate, up, g, torch.sigmoid),
-        "cuda": _clamped_grads(gate, up, g, _SigmoidAsCuda.apply),
+        "cuda": _clamped_grads(gate, up, g, _sigmoid_as_cuda),
     }
     a, b = (t.detach().requires_grad_() for t in (gate, up))
     got = torch.autograd.grad(op_for(sp, "autograd")(a, b, *LIMITS), (a, b), g)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from tiny import batch, compare_models, tiny_model
+from tiny import batch, compare_models, tiny_model, with_backward
 
 import kernelgraft
 from kernelgraft.gradcheck import check_spelling
@@ -447,20 +447,9 @@ def test_backward_twice_with_retain_graph_stays_exact():
     del ref
 
 
-class _TanhAsCuda(torch.autograd.Function):
-    """tanh whose backward is CUDA eager's for bf16: `a * (scalar_t{1.} - b * b)` in c10's 2-byte
-    arithmetic, each op rounded (here: bf16 tensor ops on the CPU, each rounded once)."""
-
-    @staticmethod
-    def forward(ctx, a):
-        y = torch.tanh(a)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, gb):
-        (y,) = ctx.saved_tensors
-        return gb * (1 - y * y)
+# tanh whose backward is CUDA eager's for bf16: `a * (scalar_t{1.} - b * b)` in c10's 2-byte
+# arithmetic, each op rounded (here: bf16 tensor ops on the CPU, each rounded once)
+_tanh_as_cuda = with_backward(torch.tanh, lambda g, y: g * (1 - y * y))
 
 
 def _softcap_logit_grad(z, t, cap, ii, g, tanh):
@@ -484,7 +473,7 @@ def test_softcap_gradient_rounds_as_each_devices_eager(rounds):
     z = F.linear(h, w).detach()
     want = {
         "cpu": _softcap_logit_grad(z, t, cap, ii, g, torch.tanh),
-        "cuda": _softcap_logit_grad(z, t, cap, ii, g, _TanhAsCuda.apply),
+        "cuda": _softcap_logit_grad(z, t, cap, ii, g, _tanh_as_cuda),
     }
     fn = lm_kernel._kernel(sp, torch.bfloat16, "autograd", "cpu", rounds)[0].ce
     dz = z.clone()

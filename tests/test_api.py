@@ -95,6 +95,7 @@ def test_bad_arguments_are_explained():
     assert kernelgraft.optimize(m, ddp_piece_mb=None) is m and kernelgraft.optimize(m, ddp_piece_mb=12.5) is m
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_many_optimized_models_in_one_process_each_run_the_kernels(kernel_calls):
     # Dynamo's recompile limit is per code object; each optimized model must stay compiled.
     b = batch()

@@ -4,6 +4,7 @@ kernelgraft's tokens are eager's, and the table says so (the GPU figures are RES
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -14,6 +15,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_decode_measures_every_mode_and_compares_tokens_with_eager():
     res = bench_decode.run(
         batches=(1, 2), prompt=6, new=4, modes=("eager", "kernelgraft (eager)"), device="cpu",

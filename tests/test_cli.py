@@ -11,6 +11,7 @@ import pytest
 from kernelgraft import cli
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_demo_losses_agree():
     out = io.StringIO()
     assert cli.demo(steps=3, device="cpu", out=out) == 0

@@ -195,6 +195,7 @@ if __name__ == "__main__":
     sys.exit(0)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_the_every_decoder_survey_counts_sites_from_the_model():
     """tests/coverage_all.py (`make coverage`): the expected sites come from the model's modules; a
     model whose every expected site is served is "full", and a row says what is missing and why."""

@@ -4,6 +4,7 @@ are eager's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny import tiny_model
 from torch._dynamo.utils import counters
@@ -28,6 +29,7 @@ def _generate(mode: str):
     return model, out, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_generate_compiles_as_many_graphs_as_torch_compile_and_gives_eager_tokens():
     _, want, _ = _generate("eager")
     _, compiled, graphs_compile = _generate("torch.compile")

@@ -63,6 +63,7 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return max(((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in a)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_trainer_accumulation_equals_the_full_batch(tmp_path):
     stock = tiny_model("llama")
     start = {n: p.detach().clone() for n, p in stock.named_parameters()}

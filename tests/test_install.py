@@ -158,6 +158,7 @@ print(json.dumps(dict(
 """
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_installs_without_extras_and_every_module_imports(tmp_path):
     src = _copy_source(tmp_path / "src")
     # the wheel, offline, with this environment's setuptools; -v shows the build backend's warnings

@@ -215,6 +215,7 @@ def weight_grad_error(accumulate, chunk):
     }["grad weight"]
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_weight_gradient_accumulation_choice():
     """fp32 (default): 16 chunks give eager's error. The weight's dtype (bf16): rounded after every
     chunk, the error grows past the rule (here 6.4e-3 against eager's 5.2e-3)."""

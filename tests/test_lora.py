@@ -233,6 +233,7 @@ def test_unserved_adapters_are_reported_with_why():
     assert [f.reason for f in rep.fallbacks] == ["rank 300; the kernels serve ranks up to 256"] * 2, str(rep)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_dora_merged_adapters_and_an_lm_head_in_modules_to_save():
     """DoRA: peft's DoRA forward breaks dynamo's graph at the adapted layers (on torch 2.13 it calls
     str.startswith, which dynamo does not trace), so no adapter is served, and explain says why:
@@ -259,6 +260,7 @@ def test_dora_merged_adapters_and_an_lm_head_in_modules_to_save():
     )
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_gradient_checkpointing_and_save_pretrained():
     """Each decoder layer under torch.utils.checkpoint: its adapters are served there too, with the
     numbers of the stock model (truth and eager without checkpointing: the same values; float32,

@@ -402,6 +402,7 @@ def test_the_pass_fuses_a_site_only_where_it_keeps_the_graph(case, fused):
         assert torch.equal(a, b)  # on the CPU the fused pass is bitwise the pair it replaces
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_the_residual_streams_adds_joined_to_the_norms_give_the_same_bits(monkeypatch):
     """Under inductor a layer's norms make the residual stream's sums as they load their rows
     (residual.add_into_norms) and add their input gradients to the stream's as they store them

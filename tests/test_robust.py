@@ -122,6 +122,7 @@ def test_arguments_on_two_devices_are_refused_before_any_kernel_runs():
     assert "several devices" in dtype_check(site)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_dynamic_shapes_recompile_a_bounded_number_of_times(monkeypatch):
     """20 steps, sequence lengths and batch sizes all different: dynamo marks the dims dynamic after
     the first change, so the model is captured a few times, not 20; every step is correct; and the

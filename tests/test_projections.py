@@ -30,6 +30,7 @@ def _grad_storages(layer):
     return {n: m.weight.grad.untyped_storage().data_ptr() for n, m in mods.items()}
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_k_v_and_gate_up_run_as_one_matmul_each_with_gradients_by_the_rule(dtype):
     # judged over eight batches at once: a fused matmul sums in another order than the two it

@@ -53,22 +53,27 @@ def _local_derivatives(n, device: str = "cpu") -> list:
         return [None]  # handled as the adjoint of a sum
     prim = PRIMITIVES.get(n.op)  # None for a cast (identity)
     if prim is not None and prim.derivative is not None:
-        low = LOW.get(n.dtype)
-        return prim.derivative(Local(tuple(i.value for i in n.inputs), n.value, low, device))
+        return prim.derivative(_local(n, device))
     us = [sympy.Dummy(f"u{i}") for i in range(len(n.inputs))]
     f = n.local(*us)
     subs = {u: i.value for u, i in zip(us, n.inputs)}
     return [sympy.diff(f, u).subs(subs) for u in us]
 
 
-def _whole_gradients(n, G, device: str) -> list | None:
-    """The gradients n's inputs receive, where the primitive's rule rounds between the incoming
-    gradient G and its derivative as autograd's kernel on `device` does (None: G * derivative)."""
+def _local(n, device: str, grad=None) -> Local:
+    return Local(tuple(i.value for i in n.inputs), n.value, LOW.get(n.dtype), device, grad)
+
+
+def _received(n, G, device: str, fused: bool) -> list:
+    """The gradient each of n's inputs receives from n's gradient G: G times the local derivative,
+    or, where autograd's kernel on `device` rounds between G and the derivative (a primitive's
+    `gradient` rule: sigmoid in bf16/fp16), that rounding. Fused rounding keeps neither."""
     prim = PRIMITIVES.get(n.op)
-    if prim is None or prim.gradient is None or n.reduce is not None:
-        return None
-    low = LOW.get(n.dtype)
-    return prim.gradient(Local(tuple(i.value for i in n.inputs), n.value, low, device, G))
+    if not fused and prim is not None and prim.gradient is not None:
+        whole = prim.gradient(_local(n, device, G))
+        if whole is not None:
+            return whole
+    return [G * d for d in _local_derivatives(n, device)]
 
 
 def derive(spec: Spec, device: str = "cpu") -> Backward:
@@ -115,12 +120,9 @@ def derive(spec: Spec, device: str = "cpu") -> Backward:
             c = G / spec.N if n.reduce == "mean" else G
             contrib.setdefault(id(s), []).append((_round(c, n.dtype), "row"))
             continue
-        dev = "cpu" if fused else device
-        whole = None if fused else _whole_gradients(n, G, dev)
-        for i, (inp, d) in enumerate(zip(n.inputs, _local_derivatives(n, dev))):
-            if inp.level == "scalar" or d == 0:
+        for inp, c in zip(n.inputs, _received(n, G, "cpu" if fused else device, fused)):
+            if inp.level == "scalar" or c == 0:
                 continue
-            c = G * d if whole is None else whole[i]
             if n.level != "col":
                 c = _round(c, n.dtype)
                 if inp.level == n.level:

@@ -113,8 +113,7 @@ def optimize(
         inference=inference,
         fuse_projections=fuse_projections,
     )
-    grafter = Grafter(patterns=patterns, options=options)
-    grafter.heads = output_heads(model)
+    grafter = Grafter(patterns=patterns, options=options, heads=output_heads(model))
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
@@ -340,8 +339,7 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.explain: expected a torch.nn.Module, got {type(model).__name__}")
     # explain shows what a training step would get (the LM head fused) though it captures under no_grad
-    grafter = Grafter("eager", patterns, dry_run=True, training=True)
-    grafter.heads = output_heads(model)
+    grafter = Grafter("eager", patterns, dry_run=True, training=True, heads=output_heads(model))
     from torch._dynamo.utils import counters  # import here: dynamo's, read around the capture
 
     before = Counter(counters["graph_break"])

@@ -43,7 +43,8 @@ class Grafter:
     dry_run: report only, the graph runs as captured. probe (with dry_run): called as
     probe(record, spelling, values) with each served site's run-time arguments (kernelgraft.audit).
     training: judge the sites as a training step (gradients on) whatever the capture's grad mode
-    (explain and audit capture under no_grad or for a probe); None: as captured.
+    (explain and audit capture under no_grad or for a probe); None: as captured. heads: the paths
+    of the model's output embeddings, reported where no LM head + loss site is found.
 
     >>> import torch, kernelgraft
     >>> f = torch.compile(lambda x: x * 2, backend=kernelgraft.Grafter("eager"))
@@ -60,6 +61,7 @@ class Grafter:
         dry_run: bool = False,
         probe=None,
         training: bool | None = None,
+        heads: tuple = (),
     ):
         if options is not None and not isinstance(options, Options):
             raise TypeError(
@@ -72,7 +74,7 @@ class Grafter:
         self.dry_run = dry_run
         self.probe = probe
         self.training = training
-        self.heads: tuple = ()  # the model's output embeddings' paths (api.output_heads), set by its caller
+        self.heads = heads  # the model's output embeddings' paths (api.output_heads)
         self.report = RewriteReport()
         self._grafted_whole = False  # set while DDP's pieces of an already grafted graph come in
         ddp.install()

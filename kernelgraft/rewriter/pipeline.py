@@ -249,7 +249,9 @@ def unserved(g: Graft) -> None:
 
 
 # ops a model's logits pass through on their way to a loss: what the report names is the rest
-_LOGIT_PLUMBING = {"cast", "view", "reshape", "contiguous", "clone", "transpose", "permute", "getitem", "slice"}
+_LOGIT_PLUMBING = {
+    "cast", "view", "reshape", "flatten_rows", "contiguous", "clone", "transpose", "permute", "getitem", "slice"
+}
 
 
 def _unserved_heads(g: Graft) -> list[Unserved]:

@@ -37,8 +37,8 @@ class RowFamily(Family):
             lay = layout.layout(spelling, metas)
             if isinstance(lay.M, int) and lay.M > MAX_ROWS:
                 return f"{lay.M} rows; generated kernels index at most {MAX_ROWS} rows in one tensor"
-            rounds = rounds_for(first.device) if hasattr(first, "device") else "cpu"
-            row_kernel(spelling, {n: t.dtype for n, t in metas.items()}, lay.kinds, rounding, rounds)
+            dtypes = {n: t.dtype for n, t in metas.items()}
+            row_kernel(spelling, dtypes, lay.kinds, rounding, rounds_for(first.device))
         except (Unsupported, ValueError) as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - a generator failure falls back, reported, never wrong

@@ -16,6 +16,27 @@ from kernelgraft.patterns import REGISTRY
 pytestmark = pytest.mark.gpu
 
 ARCHS = ["llama", "qwen3"]
+
+
+@pytest.fixture(autouse=True)
+def _inductor_picks_no_config_by_timing(monkeypatch):
+    """These tests compare the bits of two compiles of one model. Inductor times a reduction's
+    candidate configs on its first run and keeps the fastest, so with other work on the GPU two
+    compiles can pick two configs, which sum in two orders (a loss equal to 4 digits, not in bits).
+    Its deterministic mode keeps one config; kernelgraft's kernels make no such choice."""
+    from torch._inductor import config
+
+    if hasattr(config, "deterministic"):
+        monkeypatch.setattr(config, "deterministic", True)
+        yield
+        return
+    # an older torch: deterministic algorithms make inductor keep one reduction config as well
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 ROW = [s for s in REGISTRY.spellings() if s.kernel == "row"]
 
 

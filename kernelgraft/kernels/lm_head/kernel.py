@@ -449,7 +449,11 @@ def forward(
             else:
                 torch.mm(z, W, out=dh.narrow(0, c0, c1 - c0))
         if needs_w:
-            dW = _weight_grad(dW, z, hc, c0 == 0, acc32 and dev.type == "cuda", acc32, traced)
+            # cuBLAS rounds z^T h with a column-major h chunk less accurately (an H200: bf16 weight
+            # gradients of a transposed h 1.1-1.3x eager's error, which changes its formula with the
+            # layout); such a chunk is copied row-major, the layout whose product matches eager's
+            hw = hc if hc.is_contiguous() or dev.type != "cuda" else hc.contiguous()
+            dW = _weight_grad(dW, z, hw, c0 == 0, acc32 and dev.type == "cuda", acc32, traced)
         del z
     loss = torch.empty((), dtype=torch.float32, device=dev)  # not a view: callers scale it in place
     launcher(fn.loss)[(1,)](losses, T, denom, loss, BLOCK=SUM_BLOCK)

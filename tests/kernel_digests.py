@@ -59,7 +59,7 @@ def lm_head_sources():
                 for device in ("cpu", "cuda"):
                     tf = transform(sp, dt, rounding, device)
                     name = kernel_name(sp, dt, rounding)
-                    yield f"{sp.qualname} {_name(dt)} {rounding} {device}", kernel_source(name, tf, sp.qualname)
+                    yield f"{sp.qualname} {_name(dt)} {rounding} {device}", kernel_source(name, tf, sp.qualname, accurate_exp=device == "cuda")
 
 
 def digests() -> dict:

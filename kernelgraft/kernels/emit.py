@@ -104,6 +104,19 @@ def _exp(x):
 """
 
 
+# e^x = 2^t (1 + d ln 2): t = x log2 e rounded to float32, d its rounding error (an FMA, and log2 e's
+# part below float32). One ex2, as tl.exp costs (the range-reduced _exp above takes three), without
+# tl.exp's error of up to |x| 2^-24 relative; flushes below 2^-126 to zero, as tl.exp does
+EXP_ONE_EX2 = """
+@triton.jit
+def _exp(x):
+    t = x * 1.4426950408889634
+    d = tl.fma(x, 1.4426950408889634, -t) + x * 1.9259629911266175e-08
+    p = tl.exp2(t)
+    return tl.where(p == 0.0, p, tl.fma(p, d * 0.6931471805599453, p))
+"""
+
+
 # the exp of a kernel whose tensors are all 2-byte: their rounding (2^-9 relative for bf16) is far
 # above tl.exp's error, which then changes no result the accuracy rule can see, and the range
 # reduction's instructions are left out of these memory-bound kernels

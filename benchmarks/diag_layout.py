@@ -6,7 +6,9 @@ The thorough property profile on an H200 reported LM head + loss cases that fail
 against CUDA eager's 0.00233). This script runs such a case both ways on one device and prints,
 for the output and each gradient, the error against float64 truth of the kernel and of eager in
 each layout, and whether each side's result keeps its bits when only the layout changes. The side
-whose bits move with the layout is the one whose arithmetic depends on it.
+whose bits move with the layout is the one whose arithmetic depends on it. For an LM head it then
+times nothing but rounds the weight gradient's product z^T h alone, in the dtype, with h row-major
+and column-major (and eager's other formula, (h^T z)^T), against float64.
 
     DIAG_CASE="lm_head_ce.bias_hf_mean,16,159,bfloat16,gaussian,0" python benchmarks/diag_layout.py
     (DIAG_DEVICE=cpu: a dry run through Triton's interpreter)
@@ -50,6 +52,25 @@ def main():
         errs = [rel_error(v, truth) for v in (kc, kt, ec, et)]
         same_k, same_e = torch.equal(kc, kt), torch.equal(ec, et)
         print(f"{what:14s} {errs[0]:10.4g} {errs[1]:10.4g} {errs[2]:12.4g} {errs[3]:12.4g} {same_k!s:>12s} {same_e!s:>15s}")
+    if kernel == "lm_head_ce":
+        _products(int(rows), int(n), getattr(torch, dt), dev)
+
+
+def _products(T: int, H: int, dtype: torch.dtype, dev: str) -> None:
+    """z^T h in `dtype` at the case's shape (V = 3H + 5), h row-major and column-major, 3 draws."""
+    V = 3 * H + 5
+    gen = torch.Generator().manual_seed(0)
+    for draw in range(3):
+        z = (torch.randn(T, V, generator=gen) * 1e-3).to(dev, dtype)
+        h = torch.randn(T, H, generator=gen).to(dev, dtype)
+        col = h.t().contiguous().t()
+        truth = z.double().t() @ h.double()
+        row = torch.mm(z.t(), h)
+        ways = {"z^T h, h row-major": row, "z^T h, h column-major": torch.mm(z.t(), col),
+                "(h^T z)^T, h column-major": (col.t() @ z).t()}  # fmt: skip
+        print(f"product {draw}: " + ", ".join(
+            f"{k} {rel_error(v, truth):.3g}{'' if torch.equal(v, row) else ' (other bits)'}" for k, v in ways.items()
+        ))  # fmt: skip
 
 
 if __name__ == "__main__":

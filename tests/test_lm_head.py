@@ -491,6 +491,53 @@ def test_softcap_gradient_rounds_as_each_devices_eager(rounds):
     assert same <= 2 and apart >= 20, (same, apart)
 
 
+def test_a_logit_gradient_on_a_rounding_tie_keeps_the_weight_gradient_within_the_rule():
+    # Drawn by the thorough profile on an H200 and failing the same way on the CPU: fp16, 35 rows of
+    # 35, rows of h constant, so every column of the weight gradient is the same sum and one logit
+    # gradient rounded to the other side of an fp16 tie moves a whole row of it (error 0.000352
+    # against eager's 0.000312, bound 0.000344). The two logits that differed lie within 1e-10 of a
+    # tie; with the softmax as exp(log_softmax) the kernel's float32 value was 1-2 ulps off, with
+    # exp(y - max) / sum it falls on eager's side.
+    from kernelgraft.gradcheck.strategies import _values
+
+    sp = REGISTRY.get("lm_head_ce", "bias_hf_mean")
+    args = _values(sp.example_args(35, 35, torch.float16, 35), "constant_rows")
+    verdicts = check_spelling(sp, args, compile_ref=False)
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
+def _exp_on(x, helper):
+    from kernelgraft.kernels.cache import load_module
+
+    src = (
+        "import triton\nimport triton.language as tl\n\n"
+        + helper
+        + "\n\n@triton.jit\ndef k(x_ptr, o_ptr, N: tl.constexpr):\n"
+        + "    i = tl.arange(0, N)\n    tl.store(o_ptr + i, _exp(tl.load(x_ptr + i)))\n"
+    )
+    mod, _ = load_module("exp_probe", src, interpret=True)
+    out = torch.empty_like(x)
+    mod.k[(1,)](x, out, N=x.numel())
+    return out
+
+
+def test_the_lm_heads_one_ex2_exp_puts_back_the_rounding_of_x_log2e():
+    # tl.exp(x) is 2^(x log2 e) on a GPU, x log2 e rounded to float32 first: up to |x| 2^-24 relative
+    # error (64 ulps at -87). The CUDA CE kernels' _exp recovers that rounding with an FMA and adds
+    # it back: within 2 ulps where ex2 is exact (the interpreter's exp2). -inf gives 0, NaN stays.
+    from kernelgraft.kernels import emit
+
+    x = torch.linspace(-87.0, 0.0, 8192)
+    exact = torch.exp(x.double())
+    ulps = lambda y: float(((y.double() - exact) / exact).abs().max()) / 2**-24  # noqa: E731
+    plain = "@triton.jit\ndef _exp(x):\n    return tl.exp2(x * 1.4426950408889634)\n"
+    assert ulps(_exp_on(x, emit.EXP_ONE_EX2)) <= 2.0
+    assert ulps(_exp_on(x, plain)) > 30.0  # what the correction removes
+    ends = _exp_on(torch.tensor([float("-inf"), float("nan"), 0.0, -1e-30]), emit.EXP_ONE_EX2)
+    assert ends[0] == 0 and ends[1].isnan() and ends[2] == 1 and ends[3] == 1
+
+
 # ---- a memory budget: the chunk and the accumulation it allows ----------------------------------
 
 GiB = 2**30

@@ -396,12 +396,10 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False, a
                 lines, (stored,) = emit.cse_lines([total], "ua", IND2)
                 L += lines
             L.append(f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {stored}, mask=mask)")
-        else:  # this block's column sums; the entry kernel accumulates them over its blocks
-            L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, tl.float32)")
+        else:  # this block's column sums (float64 where the kernel computes in it: _sum_type)
+            L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, {_sum_type(wide)})")
             L.append(f"{IND}if NEED_{t}:")
-            L.append(
-                f"{IND2}p_{t} = {_stored(f'tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine)', wide)}"
-            )
+            L.append(f"{IND2}p_{t} = tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine)")
             partials.append(f"p_{t}")
     if partials:
         L.append(f"{IND}return {', '.join(partials)}")
@@ -420,7 +418,7 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False, acc: boo
     L = ["@triton.jit", f"def {name}({sig}):"]
     L += _entry_head(spec, needed)
     L.append(f"{IND}nprog = tl.num_programs(0)")
-    L += [f"{IND}acc_{t} = tl.full([BLOCK_N], 0.0, tl.float32)" for t in cols]
+    L += [f"{IND}acc_{t} = tl.full([BLOCK_N], 0.0, {_sum_type(in_float64(spec))})" for t in cols]
     tail = _col_vars(spec, needed) + list(spec.scalars)
     flags = [f"NEED_{t}" for t in spec.tensors]
     for g in range(G):
@@ -442,19 +440,37 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False, acc: boo
     return L
 
 
+def _sum_type(wide: bool) -> str:
+    """The type a per-column gradient is summed in over blocks and programs: float64 in a kernel
+    that computes in it (in_float64: every tensor float32), rounded once at the end. A float32 sum
+    of the blocks' partial sums, each program's in sequence, gave a float32 weight gradient up to
+    1.8x eager's error (which sums in a cascade); under 4 float32 epsilons it hid under the rule's
+    floor, over it (Gemma 4's k_norm, a 1.28x) it failed."""
+    return "tl.float64" if wide else "tl.float32"
+
+
+def column_sum_dtype(spec: Spec):
+    """The torch dtype of the backward programs' partial rows of a per-column gradient."""
+    import torch
+
+    return torch.float64 if in_float64(spec) else torch.float32
+
+
 def _colsum(spec: Spec, t: str) -> list[str]:
     """A per-column gradient from the backward programs' partial rows: each block of BLOCK_P rows
-    summed as a tree, the blocks in order, rounded once to the argument's dtype. Its own kernel, not
-    torch's sum: launched from the host or by inductor, the same sum in the same order."""
+    summed as a tree, the blocks in order (in _sum_type), rounded once to the argument's dtype. Its
+    own kernel, not torch's sum: launched from the host or by inductor, the same sum in the same order."""
+    wide = in_float64(spec)
     lines, (e,) = emit.cse_lines(
         [round_to(sympy.Symbol("acc"), LOW.get(spec.dtypes[t], "float32"))], "s", IND
     )
+    e = _stored(e, wide)
     return [
         "@triton.jit",
         f"def {spec.name}_colsum_{t}(buf_ptr, P, N, out_ptr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):",
         f"{IND}cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)",
         f"{IND}cmask = cols < N",
-        f"{IND}acc = tl.full([BLOCK_N], 0.0, tl.float32)",
+        f"{IND}acc = tl.full([BLOCK_N], 0.0, {_sum_type(wide)})",
         f"{IND}for p0 in range(0, P, BLOCK_P):",
         f"{IND2}rows = p0 + tl.arange(0, BLOCK_P)",
         f"{IND2}m = (rows < P)[:, None] & cmask[None, :]",

@@ -11,7 +11,7 @@ from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
 from ..launching import NotTraceable, cdiv, launcher, pow2, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
-from .codegen import GROUPS, accumulates, adds_input, backward_kind
+from .codegen import GROUPS, accumulates, adds_input, backward_kind, column_sum_dtype
 from .layout import (
     Group,
     flat_cut,
@@ -261,7 +261,7 @@ def backward_group(
     launched = sum(g.lay.M for g in groups) > 0 and N > 0
     partial = torch.empty if launched else torch.zeros
     col_bufs = {
-        n: partial((nprog, N), dtype=torch.float32, device=dev) if need else dummy
+        n: partial((nprog, N), dtype=column_sum_dtype(k.spec), device=dev) if need else dummy
         for n, need in zip(names, needs)
         if kinds[n] == "col"
     }

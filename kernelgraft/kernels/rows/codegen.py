@@ -29,6 +29,7 @@ from ...ir.sym import round_to
 from .. import emit
 from ..derive import Backward
 from ..spec import LOW, Spec
+from .precision import in_float64, sum_type
 
 GROUPS = (1, 2)  # entry kernels generated: one group of tensors per launch, or two
 
@@ -295,26 +296,6 @@ def _output_lines(spec: Spec, indent: str, wide: bool) -> list[str]:
     return L
 
 
-def in_float64(spec: Spec) -> bool:
-    """Whether a kernel with row statistics (a norm) computes in float64: where every tensor is
-    float32 and no value of the spelling is narrower. Loads and stores stay float32, and each stored
-    value (output, statistic, gradient) is rounded once, at its store. Found by the H200's thorough
-    profile (2026-11-30), each in float32:
-    - the statistic: Triton sums a row of 65536 partly in sequence in each thread. On constant rows
-      (every term the same sign) that left the output at 5.7 float32 epsilons of error, eager at 0.8;
-    - the x gradient rstd * (g*w - x * sum(g*w*x) * rstd^2 / N) cancels where g is nearly parallel
-      to x: Gemma's norm with g = x (rows of 83) gave 2.3x eager's error, each float32 rounding of
-      the two terms amplified by the cancellation.
-    A bf16/fp16 path keeps float32: its roundings are the reference's, and they dominate. Kernels
-    without statistics (RoPE, gated MLP) keep float32 too: each element is a short expression of
-    its own, with no sum along the row."""
-    if not spec.reductions:
-        return False
-    if any(dt != torch.float32 for dt in (*spec.dtypes.values(), spec.out_dtype)):
-        return False
-    return not any(n.dtype in LOW for n in spec.nodes)
-
-
 def _widened(names: list[str]) -> list[str]:
     """These values as float64 from here on (in_float64)."""
     return [f"{IND}{v} = {v}.to(tl.float64)" for v in names]
@@ -397,7 +378,7 @@ def _bwd_block(spec: Spec, bwd: Backward, needed: set, with_out: bool = False, a
                 L += lines
             L.append(f"{IND2}tl.store(d_{t}_ptr + {_offset(f'd_{t}')} + cols * d_{t}_sc, {stored}, mask=mask)")
         else:  # this block's column sums (float64 where the kernel computes in it: _sum_type)
-            L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, {_sum_type(wide)})")
+            L.append(f"{IND}p_{t} = tl.full([BLOCK_N], 0.0, {sum_type(wide)})")
             L.append(f"{IND}if NEED_{t}:")
             L.append(f"{IND2}p_{t} = tl.reduce(tl.where(mask, {e}, 0.0), 0, tl.standard._sum_combine)")
             partials.append(f"p_{t}")
@@ -418,7 +399,7 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False, acc: boo
     L = ["@triton.jit", f"def {name}({sig}):"]
     L += _entry_head(spec, needed)
     L.append(f"{IND}nprog = tl.num_programs(0)")
-    L += [f"{IND}acc_{t} = tl.full([BLOCK_N], 0.0, {_sum_type(in_float64(spec))})" for t in cols]
+    L += [f"{IND}acc_{t} = tl.full([BLOCK_N], 0.0, {sum_type(in_float64(spec))})" for t in cols]
     tail = _col_vars(spec, needed) + list(spec.scalars)
     flags = [f"NEED_{t}" for t in spec.tensors]
     for g in range(G):
@@ -440,22 +421,6 @@ def _bwd_entry(spec: Spec, needed: set, G: int, with_out: bool = False, acc: boo
     return L
 
 
-def _sum_type(wide: bool) -> str:
-    """The type a per-column gradient is summed in over blocks and programs: float64 in a kernel
-    that computes in it (in_float64: every tensor float32), rounded once at the end. A float32 sum
-    of the blocks' partial sums, each program's in sequence, gave a float32 weight gradient up to
-    1.8x eager's error (which sums in a cascade); under 4 float32 epsilons it hid under the rule's
-    floor, over it (Gemma 4's k_norm, a 1.28x) it failed."""
-    return "tl.float64" if wide else "tl.float32"
-
-
-def column_sum_dtype(spec: Spec):
-    """The torch dtype of the backward programs' partial rows of a per-column gradient."""
-    import torch
-
-    return torch.float64 if in_float64(spec) else torch.float32
-
-
 def _colsum(spec: Spec, t: str) -> list[str]:
     """A per-column gradient from the backward programs' partial rows: each block of BLOCK_P rows
     summed as a tree, the blocks in order (in _sum_type), rounded once to the argument's dtype. Its
@@ -470,7 +435,7 @@ def _colsum(spec: Spec, t: str) -> list[str]:
         f"def {spec.name}_colsum_{t}(buf_ptr, P, N, out_ptr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):",
         f"{IND}cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)",
         f"{IND}cmask = cols < N",
-        f"{IND}acc = tl.full([BLOCK_N], 0.0, {_sum_type(wide)})",
+        f"{IND}acc = tl.full([BLOCK_N], 0.0, {sum_type(wide)})",
         f"{IND}for p0 in range(0, P, BLOCK_P):",
         f"{IND2}rows = p0 + tl.arange(0, BLOCK_P)",
         f"{IND2}m = (rows < P)[:, None] & cmask[None, :]",

@@ -11,7 +11,7 @@ from ..fallback import has_failed, record_failure, reference_gradients
 from ..family import Unsupported
 from ..launching import NotTraceable, cdiv, launcher, pow2, tracing
 from .build import MAX_N, MAX_ROWS, RowKernel, kernel_for
-from .codegen import GROUPS, accumulates, adds_input, backward_kind, column_sum_dtype
+from .codegen import GROUPS, accumulates, adds_input, backward_kind
 from .layout import (
     Group,
     flat_cut,
@@ -25,6 +25,7 @@ from .layout import (
     split_args,
     strided,
 )
+from .precision import column_sum_dtype
 from .tuning import config, programs
 
 

@@ -23,20 +23,12 @@ import torch
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck.spelling import check_spelling
-from kernelgraft.gradcheck.strategies import _values
+from kernelgraft.gradcheck.strategies import _values, on_device
 from kernelgraft.kernels import emit
 from kernelgraft.kernels.cache import load_module
 from kernelgraft.kernels.lm_head import kernel as K
 from kernelgraft.kernels.lm_head.transform import transform
 from kernelgraft.patterns import REGISTRY
-
-
-def _cuda(args):
-    return tuple(
-        a.detach().cuda().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
-        else a.cuda() if isinstance(a, torch.Tensor) else a
-        for a in args
-    )  # fmt: skip
 
 
 def cases() -> None:
@@ -48,7 +40,7 @@ def cases() -> None:
     bad = 0
     for name, rows, n, dt, vals, seed in grid:
         sp = REGISTRY.get("lm_head_ce", name)
-        verdicts = check_spelling(sp, _cuda(_values(sp.example_args(rows, n, dt, seed), vals)), compile_ref=False)
+        verdicts = check_spelling(sp, on_device(_values(sp.example_args(rows, n, dt, seed), vals), "cuda"), compile_ref=False)
         if not all(v.ok for v in verdicts):
             bad += 1
             print("FAIL", name, rows, n, dt, vals, seed, [str(v) for v in verdicts if not v.ok])

@@ -22,17 +22,9 @@ import torch
 
 from kernelgraft.gradcheck import rel_error
 from kernelgraft.gradcheck.spelling import compare
-from kernelgraft.gradcheck.strategies import _layout, _values
+from kernelgraft.gradcheck.strategies import _layout, _values, on_device
 from kernelgraft.kernels import op_for
 from kernelgraft.patterns import REGISTRY
-
-
-def _on(args, dev):
-    return tuple(
-        a.detach().to(dev).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
-        else a.to(dev) if isinstance(a, torch.Tensor) else a
-        for a in args
-    )  # fmt: skip
 
 
 def main():
@@ -42,7 +34,7 @@ def main():
     kernel, name = qual.split(".")
     dev = os.environ.get("DIAG_DEVICE", "cuda")
     sp = REGISTRY.get(kernel, name)
-    base = _on(_values(sp.example_args(int(rows), int(n), getattr(torch, dt), int(seed)), vals), dev)
+    base = on_device(_values(sp.example_args(int(rows), int(n), getattr(torch, dt), int(seed)), vals), dev)
     print(f"case: {qual} rows {rows} n {n} {dt} {vals} seed {seed} on {dev}")
     runs = {lay: compare(sp, _layout(base, lay), op_for(sp), compile_ref=False, seed=int(seed)) for lay in
             ("contiguous", "transposed")}  # fmt: skip

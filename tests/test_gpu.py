@@ -426,14 +426,10 @@ def test_lm_head_gradients_keep_their_bits_when_h_and_the_weight_are_stored_tran
     of a transposed h fail the rule; the kernel reads such a chunk row-major. Every output and
     gradient is the same bits in either layout."""
     from kernelgraft.gradcheck.spelling import compare
-    from kernelgraft.gradcheck.strategies import _layout, _values
+    from kernelgraft.gradcheck.strategies import _layout, _values, on_device
 
     sp = REGISTRY.get("lm_head_ce", name)
-    base = tuple(
-        a.detach().cuda().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
-        else a.cuda() if isinstance(a, torch.Tensor) else a
-        for a in _values(sp.example_args(16, 159, torch.bfloat16, 0), "gaussian")
-    )  # fmt: skip
+    base = on_device(_values(sp.example_args(16, 159, torch.bfloat16, 0), "gaussian"), "cuda")
     runs = [compare(sp, _layout(base, lay), op_for(sp), compile_ref=False) for lay in ("contiguous", "transposed")]
     for (what, _, kc, _, _), (_, _, kt, _, _) in zip(*runs):
         assert torch.equal(kc, kt), what

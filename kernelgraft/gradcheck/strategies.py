@@ -87,6 +87,16 @@ def _layout(args: tuple, layout: str) -> tuple:
     return tuple(out)
 
 
+def on_device(args: tuple, device) -> tuple:
+    """A spelling's arguments moved to `device`: floating tensors as new leaves that keep whether
+    they require a gradient, other tensors moved, numbers as they are."""
+    return tuple(
+        a.detach().to(device).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
+        else a.to(device) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )  # fmt: skip
+
+
 def _values(args: tuple, kind: str) -> tuple:
     out = []
     first = True
@@ -128,9 +138,5 @@ def cases(
     seed = draw(st.integers(0, 2**16))
     args = _values(spelling.example_args(r, n, dtype, seed), kind)
     if device is not None:
-        args = tuple(
-            a.detach().to(device).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
-            else a.to(device) if isinstance(a, torch.Tensor) else a
-            for a in args
-        )  # fmt: skip
+        args = on_device(args, device)
     return Case(r, n, dtype, kind, seed, _layout(args, layout), layout)

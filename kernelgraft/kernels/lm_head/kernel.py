@@ -69,9 +69,10 @@ def rounds_as(device_type: str) -> str:
 def _kernel(spelling, dtype: torch.dtype, rounding: str, device_type: str, rounds: str | None = None):
     """The CE kernel for `device_type` (the interpreter's on the CPU); rounds: whose eager rounding
     it reproduces, rounds_as(device_type) unless given (a CPU test of CUDA's rounding)."""
-    tf = transform(spelling, dtype, rounding, rounds or rounds_as(device_type))
+    rounds = rounds or rounds_as(device_type)
+    tf = transform(spelling, dtype, rounding, rounds)
     name = kernel_name(spelling, dtype, rounding)
-    src = kernel_source(name, tf, spelling.qualname, accurate_exp=(rounds or rounds_as(device_type)) == "cuda")
+    src = kernel_source(name, tf, spelling.qualname, accurate_exp=rounds == "cuda")
     mod, _ = load_module(name, src, interpret=device_type == "cpu")
     register_kernels(name, single=True)
     register_kernels(name)  # its helpers: <name>_scale, <name>_loss
@@ -361,11 +362,7 @@ def forward(
             else:
                 torch.mm(z, W, out=dh.narrow(0, c0, c1 - c0))
         if needs_w:
-            # cuBLAS rounds z^T h with a column-major h chunk less accurately (an H200: bf16 weight
-            # gradients of a transposed h 1.1-1.3x eager's error, which changes its formula with the
-            # layout); such a chunk is copied row-major, the layout whose product matches eager's
-            hw = hc if hc.is_contiguous() or dev.type != "cuda" else hc.contiguous()
-            dW = _weight_grad(dW, z, hw, c0 == 0, acc32 and dev.type == "cuda", acc32, traced)
+            dW = _weight_grad(dW, z, hc, c0 == 0, acc32 and dev.type == "cuda", acc32, traced)
         del z
     loss = torch.empty((), dtype=torch.float32, device=dev)  # not a view: callers scale it in place
     launcher(fn.loss)[(1,)](losses, T, denom, loss, BLOCK=SUM_BLOCK)
@@ -383,7 +380,11 @@ def _weight_grad(dW, z, hc, first: bool, out_fp32: bool, upcast: bool, traced: b
     """dW after one chunk's term z^T hc: summed in float32 (cuBLAS's float32 output: out_fp32; the
     CPU's product of float32 copies: upcast) or in W's dtype. The first chunk writes dW without
     reading it (addmm's beta 0). Traced: a new tensor each chunk (mm for the first: the product
-    addmm with beta 0 makes), else in dW's storage."""
+    addmm with beta 0 makes), else in dW's storage. On CUDA a column-major chunk of h is read
+    row-major: cuBLAS rounds z^T h less accurately with it (an H200: bf16 weight gradients of a
+    transposed h at 1.1-1.3x eager's error, where eager switches formula with the layout)."""
+    if hc.device.type == "cuda" and not hc.is_contiguous():
+        hc = hc.contiguous()
     a, b = (z.t().float(), hc.float()) if upcast and not out_fp32 else (z.t(), hc)
     kw = {"out_dtype": torch.float32} if out_fp32 else {}
     if traced:

@@ -8,11 +8,11 @@ in each, so transposed views (HF's q after `.transpose(1, 2)`) and broadcast arg
 unsqueezed on the head dim, stride 0) are read in place, never copied.
 
 One row-block function does the work; the entry kernels run it for one group of tensors, or for
-several groups in one launch (q and k of a layer share cos and sin: one call serves both). Per-column
+several groups in one launch (q and k of a layer share cos and sin, and are served together). Per-column
 arguments, scalars and the row length are shared by the groups; per-element ones belong to a group.
 
 Only Triton builtins appear (tl.reduce with the standard sum combiner, not tl.sum; no tl.cdiv, tl.zeros or
-tl.sigmoid): those are @jit helpers, which the interpreter can only call when it was switched on
+tl.sigmoid): those are @jit helpers, which the interpreter runs only when it was switched on
 before triton was imported, and kernelgraft runs both modes in one process. The forward
 saves the row statistics r_k (float32, one per reduction and row); the backward reloads them and
 recomputes everything else. Per-column gradients are summed over the rows a program visits and

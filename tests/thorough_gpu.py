@@ -6,10 +6,12 @@ says nothing and pytest-xdist keeps its workers' output until the end. Here each
 own pytest process with its own time limit and log, so a run cut short still tells, per spelling,
 whether it passed, which case failed first, or how many cases ran without a failure.
 
-    python tests/thorough_gpu.py --out DIR [--jobs 6] [--timeout 400] [--only lm_head_ce,rope.complex]
+    python tests/thorough_gpu.py --out DIR [--jobs 6] [--timeout 400] [--only lm_head_ce,rope.complex] [--gpus 2]
 
 writes DIR/<spelling>.log and DIR/thorough.md (a table: spelling, result, cases, seconds) and
-prints the table. Exit status 1 if a spelling failed.
+prints the table. Exit status 1 if a spelling failed. With --gpus N the processes are spread over
+the host's first N GPUs (CUDA_VISIBLE_DEVICES), each GPU taking the next spelling as one of its own
+processes ends.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import queue
 import subprocess
 import sys
 import time
@@ -52,8 +55,10 @@ def summarize(qualname: str, text: str, rc: int) -> tuple[str, str]:
     return f"error (exit {rc}): see its log", so_far[-1] if so_far else "?"
 
 
-def run_one(qualname: str, out: Path, timeout: int) -> tuple[str, str, str, float]:
+def run_one(qualname: str, out: Path, timeout: int, gpu: str | None = None) -> tuple[str, str, str, float]:
     env = dict(os.environ, HYPOTHESIS_PROFILE="thorough")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-s", "-q", "-p", "no:cacheprovider", f"{TEST}[{qualname}]"]
     t0 = time.monotonic()
     try:
@@ -65,7 +70,8 @@ def run_one(qualname: str, out: Path, timeout: int) -> tuple[str, str, str, floa
     took = time.monotonic() - t0
     (out / f"{qualname}.log").write_text(text)
     result, cases = summarize(qualname, text, rc)
-    print(f"{qualname}: {result} ({cases} cases, {took:.0f} s)", flush=True)
+    where = f", GPU {gpu}" if gpu is not None else ""
+    print(f"{qualname}: {result} ({cases} cases, {took:.0f} s{where})", flush=True)
     return qualname, result, cases, took
 
 
@@ -75,6 +81,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=6, help="spellings at once (each one process)")
     ap.add_argument("--timeout", type=int, default=400, help="seconds per spelling")
     ap.add_argument("--only", default="", help="spellings or kernels, comma-separated (default: all)")
+    ap.add_argument("--gpus", type=int, default=0, help="spread the processes over this many GPUs")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,8 +89,19 @@ def main() -> int:
     if not names:
         print(f"no spelling matches --only {a.only!r}", file=sys.stderr)
         return 2
+    slots: queue.Queue = queue.Queue()  # one entry per running process: the GPU it runs on
+    for i in range(a.jobs):
+        slots.put(str(i % a.gpus) if a.gpus > 0 else None)
+
+    def on_a_free_slot(name: str):
+        gpu = slots.get()
+        try:
+            return run_one(name, out, a.timeout, gpu)
+        finally:
+            slots.put(gpu)
+
     with ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(lambda n: run_one(n, out, a.timeout), names))
+        rows = list(pool.map(on_a_free_slot, names))
     lines = ["| spelling | result | cases | s |", "|---|---|---|---|"]
     lines += [f"| `{q}` | {r} | {c} | {t:.0f} |" for q, r, c, t in rows]
     table = "\n".join(lines) + "\n"

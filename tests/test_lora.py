@@ -110,6 +110,20 @@ def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("values", ["gaussian", "constant_rows"])
+@pytest.mark.parametrize("sp", [PEFT, SAME], ids=["peft", "same_dtype"])
+def test_float32_products_over_65536_columns_pass_the_rule_on_a_gpu(sp, values):
+    """Two cases the thorough profile drew on an H200: everything float32, 4 rows of 65536. Split
+    into tf32x3 passes the products were 7x (out, dB) and 30x (dA) eager's error; taken in float64
+    they pass (sums_in_float64)."""
+    from kernelgraft.gradcheck.strategies import _values, on_device
+
+    args = on_device(_values(sp.example_args(4, 65536, F32, 2), values), "cuda")
+    bad = [str(v) for v in check_spelling(sp, args, compile_ref=False) if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("r", [1, 16, 64, 256])
 @pytest.mark.parametrize(
     "sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"]
@@ -147,6 +161,23 @@ def test_no_tensor_core_pass_adds_into_a_running_sum(xd, ad, od):
             ast.unparse(k.value) for k in d.keywords if k.arg == "acc"
         ]
         assert all(g.startswith("tl.dot(") for g in given), ast.unparse(d)
+
+
+def test_float32_x_and_adapters_take_float64_products_rounded_once():
+    """x and the adapters float32: the kernels' products and sums are float64, rounded once, so u
+    is x @ A^T in float64 rounded to float32, bit for bit, and so are dB and dA (float32 split sums
+    would differ from it in the last bits over long rows); with x in bf16 the sums stay float32."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    x, res, a, b, s = (t.detach() if isinstance(t, torch.Tensor) else t for t in _args(300, 96, 80, 8, F32, F32, F32))
+    out, u = lk.forward(x, res, a, b, s)
+    assert torch.equal(u, (x.double() @ a.double().T).float())
+    g = torch.randn(res.shape, generator=torch.Generator().manual_seed(1))
+    _, dA, dB = lk.backward(g, x, a, b, u, s, (True, True, True))
+    du = (g.double() * s).float().double() @ b.double()  # gv = R_a(g * s), then summed in float64
+    assert torch.equal(dB, ((g.double() * s).float().double().T @ u.double()).float())
+    assert torch.equal(dA, (du.float().double().T @ x.double()).float())
+    assert lk.sums_in_float64(F32, F32) and not lk.sums_in_float64(BF16, F32)
 
 
 def test_the_largest_rank_is_served_and_a_larger_one_refused():

@@ -55,8 +55,12 @@ def summarize(qualname: str, text: str, rc: int) -> tuple[str, str]:
     return f"error (exit {rc}): see its log", so_far[-1] if so_far else "?"
 
 
-def run_one(qualname: str, out: Path, timeout: int, gpu: str | None = None) -> tuple[str, str, str, float]:
+def run_one(
+    qualname: str, out: Path, timeout: int, gpu: str | None = None, threads: int = 0
+) -> tuple[str, str, str, float]:
     env = dict(os.environ, HYPOTHESIS_PROFILE="thorough")
+    if threads:  # torch's CPU threads per process: the host's cores shared, not each process taking all
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-s", "-q", "-p", "no:cacheprovider", f"{TEST}[{qualname}]"]
@@ -96,7 +100,7 @@ def main() -> int:
     def on_a_free_slot(name: str):
         gpu = slots.get()
         try:
-            return run_one(name, out, a.timeout, gpu)
+            return run_one(name, out, a.timeout, gpu, max(1, (os.cpu_count() or 1) // a.jobs))
         finally:
             slots.put(gpu)
 

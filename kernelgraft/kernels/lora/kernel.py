@@ -16,11 +16,13 @@ and in the backward, for the output's gradient g (gv = R_a(R_a(R_p(g)) * s)):
     dx = R_x(R_a(du @ A))
 
 R_a, R_p, R_o and R_x round to the adapters' dtype, to the promoted dtype of the result's and the
-adapters', to the result's dtype and to x's: every rounding point the spelling has (float32 adapters: R_a and R_p keep float32; bf16
-adapters: every matmul and product rounds, as the unfused model's). The products are summed in
-float32 whatever the dtype of x, so x is never copied to float32; on the GPU they run on the tensor
-cores, split so that they stay exact (`precision`). dA and dB sum over all rows: the rows are split
-across programs and the splits' float32 sums added afterwards, so the GPU is filled.
+adapters', to the result's dtype and to x's: every rounding point the spelling has (float32
+adapters: R_a and R_p keep float32; bf16 adapters: every matmul and product rounds, as the unfused
+model's). The products are summed in float32 whatever the dtype of x, so x is never copied to
+float32; on the GPU they run on the tensor cores, split so that they stay exact (`precision`).
+Where x and the adapters are both float32, the products and sums are float64 instead, rounded
+once (`sums_in_float64`). dA and dB sum over all rows: the rows are split across programs and the
+splits' sums added afterwards, so the GPU is filled.
 The matmuls' adjoints are the rules of a product of matrices: d(P Q) = dP Q + P dQ.
 """
 
@@ -30,7 +32,7 @@ import torch
 
 from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, tracing
 from ..rows import tuning as row_tuning
-from .source import kernel_name, kernel_source, kernels, precision  # noqa: F401 - the family's API
+from .source import kernel_name, kernel_source, kernels, precision, sums_in_float64  # noqa: F401 - the family's API
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
 
@@ -117,6 +119,8 @@ class _Launches:
     def __init__(self, x, A, od: torch.dtype, *ts: torch.Tensor):
         self.mod, self.name = kernels(x.dtype, A.dtype, od, x.device.type)
         self.R, self.dev, self.opts = A.shape[0], x.device, _options(A, x, *ts)
+        # the type of the splits' sums (the kernels' own): float64 where x and A are float32
+        self.sums = torch.float64 if sums_in_float64(x.dtype, A.dtype) else torch.float32
 
     def tile(self, kernel: str) -> tuple[int, int]:
         BT, BC, _, _ = _blocks(self.R, kernel, self.dev)
@@ -140,7 +144,7 @@ class _Launches:
             return torch.zeros(shape, dtype=dtype, device=self.dev)
         BT, BC = self.tile(kernel)
         n, rows = _splits(T, blocks(BC), BT, self.dev, GPU_FILL[kernel])
-        part = torch.empty((n, *shape), dtype=torch.float32, device=self.dev)
+        part = torch.empty((n, *shape), dtype=self.sums, device=self.dev)
         self(kernel, lambda bt, bc: (blocks(bc), n), *args(part, rows), cols=cols)
         total = part.squeeze(0) if n == 1 else part.sum(0)
         return total.to(dtype)
@@ -181,7 +185,7 @@ def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: 
             g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), max(N, 1), SPLIT=False,
         )  # fmt: skip
         return du
-    part = torch.empty((n, T, R), dtype=torch.float32, device=launch.dev)
+    part = torch.empty((n, T, R), dtype=launch.sums, device=launch.dev)
     launch(
         "grad_u", lambda bt, bc: (cdiv(T, bt), n),
         g2, Bc, part, s, T, N, R, g2.stride(0), Bc.stride(0), R, cols, SPLIT=True,
@@ -196,8 +200,8 @@ def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, ad:
     BT, BN = launch.tile("grad_ub")
     C = cdiv(N, BN)
     n, rows = _splits(T, C, BT, launch.dev, GPU_FILL["grad_ub"])
-    dupart = torch.empty((C, T, R), dtype=torch.float32, device=launch.dev)
-    dbpart = torch.empty((n, N, R), dtype=torch.float32, device=launch.dev)
+    dupart = torch.empty((C, T, R), dtype=launch.sums, device=launch.dev)
+    dbpart = torch.empty((n, N, R), dtype=launch.sums, device=launch.dev)
     launch(
         "grad_ub", lambda bt, bc: (C, n),
         g2, Bc, u, dupart, dbpart, s, T, N, R, g2.stride(0), Bc.stride(0), u.stride(0), rows,

@@ -70,6 +70,16 @@ def _exact_in_tf32(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
+def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
+    """x and the adapters both float32: no factor of the long products is exact in TF32, and
+    tf32x3's three passes leave each product up to 2^-22 of itself off (4 float32 ulps), summed by a
+    tensor core that rounds coarser than float32 (on an H200, 2026-12-04: x @ A^T over 65536 columns
+    7x eager's error, eager's cuBLAS float32 products on the CUDA cores). Here the products are
+    taken in float64 (exact for float32 factors) and summed in float64, the splits' sums too, and
+    rounded once to float32: within half a float32 ulp of the true sum, as eager is within a few."""
+    return xd == torch.float32 and ad == torch.float32
+
+
 def kernel_source(
     name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3"
 ) -> str:
@@ -78,7 +88,8 @@ def kernel_source(
         qual="lora", dtypes=f"x: {xd}, adapters: {ad}", kinds="rows of x, rank columns", out=str(od)
     )
     rounders = _rounder("_r_a", ad) + _rounder("_r_p", pd) + _rounder("_r_o", od) + _rounder("_r_x", xd)
-    split = precision == "tf32x3"
+    wide = sums_in_float64(xd, ad)
+    split = precision == "tf32x3" and not wide
     # which products have one factor exact in TF32, and so take two passes instead of tf32x3's three:
     # x's values (down, grad_a) where R_a keeps them (float32 adapters); the output's gradient
     # (grad_u, grad_b) where R_p keeps it, the scaling then applied to the float32 sums (one
@@ -90,7 +101,16 @@ def kernel_source(
         """`acc` plus a @ b as the kernel multiplies: `exact` names a factor exact in TF32."""
         if exact is not None:
             return f"_dot_exact_{exact}({a}, {b}, acc)"
-        return f'acc + tl.dot({a}, {b}, input_precision="{precision}")'
+        return f"acc + {prod(a, b)}"
+
+    def prod(a: str, b: str) -> str:
+        """a @ b from zero: in float64 (`wide`), else on the tensor cores at `precision`."""
+        if wide:
+            return f"tl.dot({a}.to(tl.float64), {b}.to(tl.float64))"
+        return f'tl.dot({a}, {b}, input_precision="{precision}")'
+
+    acc_t = "tl.float64" if wide else "tl.float32"  # the sums' type, and their splits' (part buffers)
+    f32 = ".to(tl.float32)" if wide else ""  # a sum rounded to float32 (R_a then keeps it)
 
     xt_f = "_r_a(xt.to(tl.float32))"
     down_dot = dot(xt_f, "at.to(tl.float32)", "a" if x_exact else None)
@@ -106,7 +126,7 @@ def kernel_source(
         ub_u_dot = 'tl.dot(gt, bhi, tl.dot(gt, blo, input_precision="tf32"), input_precision="tf32") * s'
     else:
         b_parts = ""
-        ub_u_dot = f'tl.dot(gt, bt, input_precision="{precision}")'
+        ub_u_dot = prod("gt", "bt")
     # the scaling left out of the products above, applied to their sums
     scaled = "\n    acc = acc * s" if g_exact else ""
     return (
@@ -121,13 +141,13 @@ def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su,
     # u[t, :] = R_a(x[t, :] @ A^T): x read once, in its dtype, summed in float32
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     r = tl.arange(0, BR)
-    acc = tl.full((BT, BR), 0.0, tl.float32)
+    acc = tl.full((BT, BR), 0.0, {acc_t})
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
         at = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
         acc = {down_dot}
-    tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc), mask=(t[:, None] < T) & (r[None, :] < R))
+    tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc{f32}), mask=(t[:, None] < T) & (r[None, :] < R))
 
 
 @triton.jit
@@ -140,7 +160,7 @@ def {name}_up(o_ptr, base_ptr, u_ptr, b_ptr, s, T, N, R, so, sbase, su, sb,
     r = tl.arange(0, BR)
     ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
     bt = tl.load(b_ptr + n[None, :] * sb + r[:, None], mask=(n[None, :] < N) & (r[:, None] < R), other=0.0)
-    v = _r_a(tl.dot(ut.to(tl.float32), bt.to(tl.float32), input_precision="{precision}"))
+    v = _r_a({prod("ut.to(tl.float32)", "bt.to(tl.float32)")}{f32})
     m = (t[:, None] < T) & (n[None, :] < N)
     base = tl.load(base_ptr + t[:, None] * sbase + n[None, :], mask=m, other=0.0).to(tl.float32)
     y = _r_o(_r_p(base + _r_a(v * s)))
@@ -162,12 +182,12 @@ def _gv(g_ptr, t, n, T, N, sg, s):
 def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
     # du = R_a(gv @ B), summed over the output width; SPLIT: over one split of it (`cols` columns),
-    # its float32 sums stored at du_ptr as part[split, t, r], added and rounded afterwards
+    # its sums stored at du_ptr as part[split, t, r], added and rounded afterwards
     s = tl.full([], s, tl.float32)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     r = tl.arange(0, BR)
     lo = tl.program_id(1) * cols
-    acc = tl.full((BT, BR), 0.0, tl.float32)
+    acc = tl.full((BT, BR), 0.0, {acc_t})
     for n0 in range(lo, lo + cols, BN):
         n = n0 + tl.arange(0, BN)
         bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
@@ -176,18 +196,18 @@ def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
     if SPLIT:
         tl.store(du_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
     else:
-        tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc), mask=m)
+        tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc{f32}), mask=m)
 
 
 @triton.jit
 def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    # dB's float32 sums of gv^T @ u over one split of the rows: part[split, n, r]
+    # dB's sums of gv^T @ u over one split of the rows: part[split, n, r]
     s = tl.full([], s, tl.float32)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, BR)
     lo = tl.program_id(1) * rows
-    acc = tl.full((BN, BR), 0.0, tl.float32)
+    acc = tl.full((BN, BR), 0.0, {acc_t})
     for t0 in range(lo, lo + rows, BT):
         t = t0 + tl.arange(0, BT)
         ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
@@ -200,8 +220,8 @@ def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
 def {name}_grad_ub(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sb, su, rows,
                    BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     # du and dB from one read of the output's gradient: a program takes BN columns of it over one
-    # split of the rows. du's float32 sums over the program's columns, per row: dupart[column
-    # block, t, r] (added over the blocks afterwards, as du's split sums are); dB's float32 sums
+    # split of the rows. du's sums over the program's columns, per row: dupart[column
+    # block, t, r] (added over the blocks afterwards, as du's split sums are); dB's sums
     # over the split's rows: dbpart[split, n, r]
     s = tl.full([], s, tl.float32)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -209,7 +229,7 @@ def {name}_grad_ub(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, 
     bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
     bt = bt.to(tl.float32){b_parts}
     lo = tl.program_id(1) * rows
-    acc = tl.full((BN, BR), 0.0, tl.float32)
+    acc = tl.full((BN, BR), 0.0, {acc_t})
     for t0 in range(lo, lo + rows, BT):
         t = t0 + tl.arange(0, BT)
         gt = {gu}
@@ -225,11 +245,11 @@ def {name}_grad_ub(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, 
 @triton.jit
 def {name}_grad_a(du_ptr, x_ptr, part_ptr, T, K, R, sdu, sx, rows,
                   BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    # dA's float32 sums of du^T @ R_a(x) over one split of the rows: part[split, r, k]
+    # dA's sums of du^T @ R_a(x) over one split of the rows: part[split, r, k]
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     r = tl.arange(0, BR)
     lo = tl.program_id(1) * rows
-    acc = tl.full((BR, BK), 0.0, tl.float32)
+    acc = tl.full((BR, BK), 0.0, {acc_t})
     for t0 in range(lo, lo + rows, BT):
         t = t0 + tl.arange(0, BT)
         dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
@@ -248,7 +268,7 @@ def {name}_grad_x(dx_ptr, du_ptr, a_ptr, T, K, R, sdx, sdu, sa,
     r = tl.arange(0, BR)
     dut = tl.load(du_ptr + t[:, None] * sdu + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
     at = tl.load(a_ptr + r[:, None] * sa + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
-    dx = _r_x(_r_a(tl.dot(dut.to(tl.float32), at.to(tl.float32), input_precision="{precision}")))
+    dx = _r_x(_r_a({prod("dut.to(tl.float32)", "at.to(tl.float32)")}{f32}))
     tl.store(dx_ptr + t[:, None] * sdx + k[None, :], dx, mask=(t[:, None] < T) & (k[None, :] < K))
 '''
     )

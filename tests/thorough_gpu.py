@@ -86,6 +86,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=400, help="seconds per spelling")
     ap.add_argument("--only", default="", help="spellings or kernels, comma-separated (default: all)")
     ap.add_argument("--gpus", type=int, default=0, help="spread the processes over this many GPUs")
+    ap.add_argument("--budget", type=int, default=0, help="seconds for the whole run: a spelling started "
+                    "late gets what is left of it (0: no limit but --timeout)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,10 +99,13 @@ def main() -> int:
     for i in range(a.jobs):
         slots.put(str(i % a.gpus) if a.gpus > 0 else None)
 
+    end = time.monotonic() + a.budget if a.budget else float("inf")
+
     def on_a_free_slot(name: str):
         gpu = slots.get()
         try:
-            return run_one(name, out, a.timeout, gpu, max(1, (os.cpu_count() or 1) // a.jobs))
+            timeout = int(max(1, min(a.timeout, end - time.monotonic())))
+            return run_one(name, out, timeout, gpu, max(1, (os.cpu_count() or 1) // a.jobs))
         finally:
             slots.put(gpu)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import queue
+import re
 import subprocess
 import sys
 import time

@@ -4,7 +4,8 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
 
     ops       fwd+bwd ms of the adapter path (`triton.testing.do_bench`): eager (peft's spelling:
               x cast to float32, float32 matmuls), torch.compile of it, kernelgraft's kernels (and
-              with du and dB apart: grad_u and grad_b each reading the output's gradient)
+              with du and dB apart: grad_u and grad_b each reading the output's gradient; and with the
+              sums over a long width added in float32, source.LONG_SUMS)
     accuracy  the error of the output and of the x, A and B gradients against float64 truth, beside
               eager's and torch.compile's, and the accuracy rule's verdict (one shape, 4096 rows)
     tiles     every kernel's device time for each (rows, columns, warps, stages) tile of
@@ -85,7 +86,19 @@ def _fwd_bwd_ms(t: dict, compiled) -> dict:
         "torch.compile": triton.testing.do_bench(lambda: autograd_path(compiled, t)),
         "kernelgraft": triton.testing.do_bench(lambda: kernelgraft_path(t)),
         "kernelgraft, du and dB apart": _unfused(lambda: triton.testing.do_bench(lambda: kernelgraft_path(t))),
+        "kernelgraft, float32 long sums": _long_sums_f32(lambda: triton.testing.do_bench(lambda: kernelgraft_path(t))),
     }
+
+
+def _long_sums_f32(fn):
+    """fn() with the blocks' sums over a long width (u, du) added in float32 instead of float64."""
+    from kernelgraft.kernels.lora import source
+
+    source.LONG_SUMS = "float32"
+    try:
+        return fn()
+    finally:
+        source.LONG_SUMS = "float64"
 
 
 def _unfused(fn):

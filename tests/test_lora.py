@@ -111,14 +111,16 @@ def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("values", ["gaussian", "constant_rows"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)
 @pytest.mark.parametrize("sp", [PEFT, SAME], ids=["peft", "same_dtype"])
-def test_float32_products_over_65536_columns_pass_the_rule_on_a_gpu(sp, values):
-    """Two cases the thorough profile drew on an H200: everything float32, 4 rows of 65536. Split
-    into tf32x3 passes the products were 7x (out, dB) and 30x (dA) eager's error; taken in float64
-    they pass (sums_in_float64)."""
+def test_sums_over_65536_columns_pass_the_rule_on_a_gpu(sp, dtype, values):
+    """Cases the thorough profile drew on an H200, 4 rows of 65536. Everything float32: split into
+    tf32x3 passes the products were 7x (out, dB) and 30x (dA) eager's error; taken in float64 they
+    pass (sums_in_float64). fp16 x, float32 adapters: 1024 blocks' sums added in float32 left dB
+    (which reads u) 6x eager's error; added in float64 (source.LONG_SUMS) they pass."""
     from kernelgraft.gradcheck.strategies import _values, on_device
 
-    args = on_device(_values(sp.example_args(4, 65536, F32, 2), values), "cuda")
+    args = on_device(_values(sp.example_args(4, 65536, dtype, 0), values), "cuda")
     bad = [str(v) for v in check_spelling(sp, args, compile_ref=False) if not v.ok]
     assert not bad, "\n".join(bad)
 

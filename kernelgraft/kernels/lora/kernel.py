@@ -185,12 +185,12 @@ def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: 
             g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), max(N, 1), SPLIT=False,
         )  # fmt: skip
         return du
-    part = torch.empty((n, T, R), dtype=launch.sums, device=launch.dev)
+    part = torch.empty((n, T, R), dtype=torch.float64, device=launch.dev)  # the kernel's long sums
     launch(
         "grad_u", lambda bt, bc: (cdiv(T, bt), n),
         g2, Bc, part, s, T, N, R, g2.stride(0), Bc.stride(0), R, cols, SPLIT=True,
     )  # fmt: skip
-    return part.sum(0).to(dtype)
+    return part.sum(0).float().to(dtype)
 
 
 def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, ad: torch.dtype):

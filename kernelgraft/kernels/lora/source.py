@@ -70,6 +70,13 @@ def _exact_in_tf32(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
+# The type of the sums over a long width (down over x's, du over the output's): the tensor-core
+# products of one block, each from zero, added across the blocks in float64 and rounded once. Added
+# in float32, a width of 65536 (1024 blocks in sequence) left u 6x eager's error (fp16 x, float32
+# adapters, H200 2026-12-04; cuBLAS splits such a sum). "float32": the benchmarks' comparison.
+LONG_SUMS = "float64"
+
+
 def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
     """x and the adapters both float32: no factor of the long products is exact in TF32, and
     tf32x3's three passes leave each product up to 2^-22 of itself off (4 float32 ulps), summed by a
@@ -81,7 +88,7 @@ def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
 
 
 def kernel_source(
-    name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3"
+    name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3", long_sums: str = "float64"
 ) -> str:
     pd = torch.promote_types(od, ad)
     head = emit.HEADER.format(
@@ -110,6 +117,7 @@ def kernel_source(
         return f'tl.dot({a}, {b}, input_precision="{precision}")'
 
     acc_t = "tl.float64" if wide else "tl.float32"  # the sums' type, and their splits' (part buffers)
+    long_t = "tl.float64" if wide or long_sums == "float64" else "tl.float32"  # down's and du's
     f32 = ".to(tl.float32)" if wide else ""  # a sum rounded to float32 (R_a then keeps it)
 
     xt_f = "_r_a(xt.to(tl.float32))"
@@ -138,16 +146,17 @@ def kernel_source(
 @triton.jit
 def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su,
                 BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    # u[t, :] = R_a(x[t, :] @ A^T): x read once, in its dtype, summed in float32
+    # u[t, :] = R_a(x[t, :] @ A^T): x read once, in its dtype; each block's products summed in
+    # float32 (float64: sums_in_float64), the blocks' sums in {long_t[3:]}
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     r = tl.arange(0, BR)
-    acc = tl.full((BT, BR), 0.0, {acc_t})
+    acc = tl.full((BT, BR), 0.0, {long_t})
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
         at = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
         acc = {down_dot}
-    tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc{f32}), mask=(t[:, None] < T) & (r[None, :] < R))
+    tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc.to(tl.float32)), mask=(t[:, None] < T) & (r[None, :] < R))
 
 
 @triton.jit
@@ -182,12 +191,12 @@ def _gv(g_ptr, t, n, T, N, sg, s):
 def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
     # du = R_a(gv @ B), summed over the output width; SPLIT: over one split of it (`cols` columns),
-    # its sums stored at du_ptr as part[split, t, r], added and rounded afterwards
+    # its sums stored at du_ptr as part[split, t, r] ({long_t[3:]}), added and rounded afterwards
     s = tl.full([], s, tl.float32)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     r = tl.arange(0, BR)
     lo = tl.program_id(1) * cols
-    acc = tl.full((BT, BR), 0.0, {acc_t})
+    acc = tl.full((BT, BR), 0.0, {long_t})
     for n0 in range(lo, lo + cols, BN):
         n = n0 + tl.arange(0, BN)
         bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
@@ -196,7 +205,7 @@ def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
     if SPLIT:
         tl.store(du_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
     else:
-        tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc{f32}), mask=m)
+        tl.store(du_ptr + t[:, None] * sdu + r[None, :], _r_a(acc.to(tl.float32)), mask=m)
 
 
 @triton.jit
@@ -274,16 +283,22 @@ def {name}_grad_x(dx_ptr, du_ptr, a_ptr, T, K, R, sdx, sdu, sa,
     )
 
 
-def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype) -> str:
-    return f"lora__{str(xd)[6:]}__{str(ad)[6:]}__{str(od)[6:]}"
+def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, long_sums: str | None = None) -> str:
+    long_sums = long_sums or LONG_SUMS
+    tail = "" if long_sums == "float64" else f"__{long_sums}_sums"
+    return f"lora__{str(xd)[6:]}__{str(ad)[6:]}__{str(od)[6:]}{tail}"
 
 
-@functools.cache
 def kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str):
     """The module of LoRA kernels for x of dtype xd, adapters of dtype ad and a base output of dtype
     od (the interpreter's on the CPU)."""
-    name = kernel_name(xd, ad, od)
-    source = kernel_source(name, xd, ad, od, precision(ad))
+    return _kernels(xd, ad, od, device_type, LONG_SUMS)
+
+
+@functools.cache
+def _kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str, long_sums: str):
+    name = kernel_name(xd, ad, od, long_sums)
+    source = kernel_source(name, xd, ad, od, precision(ad), long_sums)
     mod, _ = load_module(name, source, interpret=device_type == "cpu")
     register_kernels(name)
     return mod, name

@@ -283,12 +283,14 @@ def markdown(res: dict) -> str:
         lines += [
             "**fwd+bwd of one adapted linear, ms**",
             "",
-            "| in->out | eager | torch.compile | kernelgraft | kernelgraft, du and dB apart |",
+            "| in->out | eager | torch.compile | kernelgraft | kernelgraft, du and dB apart "
+            "| kernelgraft, float32 long sums |",
         ]
-        lines += ["|---|---|---|---|---|"]
+        lines += ["|---|---|---|---|---|---|"]
         lines += [
             f"| {r['pair']} | {r['eager']:.3f} | {r['torch.compile']:.3f} | {r['kernelgraft']:.3f} | "
-            f"{r.get('kernelgraft, du and dB apart', float('nan')):.3f} |"
+            f"{r.get('kernelgraft, du and dB apart', float('nan')):.3f} | "
+            f"{r.get('kernelgraft, float32 long sums', float('nan')):.3f} |"
             for r in res["ops"]
         ]
         lines.append("")

@@ -11,9 +11,9 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
     tiles     every kernel's device time for each (rows, columns, warps, stages) tile of
               32/64/128 x 64/128/256 x 4/8 x 2/3/4 (Triton's pipelining depth), next to the table's
               (kernels/lora/kernel.py GPU_TILES and GPU_STAGES)
-    fills     the kernels that sum over a long dim (du over the output width, dA and dB over the
-              rows) at the table's tile, with the programs per SM their splits aim at (GPU_FILL;
-              0: du not split) of 0/1/2/4/8
+    fills     the kernels that sum over a long dim (u over x's width, du over the output width, dA
+              and dB over the rows) at the table's tile, with the programs per SM their splits aim
+              at (GPU_FILL; 0: u or du not split) of 0/1/2/4/8
 
     python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills] [--kernels K1,K2]
         -> DIR/tune_lora.json, DIR/tune_lora.md
@@ -172,7 +172,7 @@ def fills(kernels: set | None = None) -> dict:
                 if kn in K.GPU_FILL and (not kernels or kn in kernels)
             }
             for kn, fn in runs.items():
-                if fill == 0 and kn != "grad_u":
+                if fill == 0 and kn not in ("grad_u", "down"):
                     continue  # a weight gradient's sum over the rows is always split
                 got.setdefault(kn, {}).setdefault(str(fill), {})[pair] = triton.testing.do_bench(
                     fn, warmup=5, rep=15
@@ -208,11 +208,21 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) ->
                 g, B, du, SCALE, T, n, R, n, R, R, n, BT=bt, BN=bn, SPLIT=False, **m
             )
             return
-        part = torch.empty((ns, T, R), device=dev)
+        part = torch.empty((ns, T, R), dtype=torch.float64, device=dev)
         kern("grad_u")[(cdiv(T, bt), ns)](
             g, B, part, SCALE, T, n, R, n, R, R, cols, BT=bt, BN=bn, SPLIT=True, **m
         )
         part.sum(0)
+
+    def down():
+        bt, bk, m = cfg("down")
+        ns, cols = K._splits(k_in, cdiv(T, bt), bk, dev, fill["down"]) if fill["down"] else (1, k_in)
+        if ns == 1:
+            kern("down")[(cdiv(T, bt), 1)](x, A, u, T, k_in, R, k_in, k_in, R, k_in, BT=bt, BK=bk, SPLIT=False, **m)
+            return
+        part = torch.empty((ns, T, R), dtype=torch.float64, device=dev)
+        kern("down")[(cdiv(T, bt), ns)](x, A, part, T, k_in, R, k_in, k_in, R, cols, BT=bt, BK=bk, SPLIT=True, **m)
+        part.sum(0).float()
 
     def grad_ub():
         bt, bn, m = cfg("grad_ub")
@@ -237,7 +247,7 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) ->
         kern(kn)[grid(bt, bn)](*args(bt, bn), BT=bt, **{cols: bn}, **m)
 
     return {
-        "down": lambda: run("down", lambda bt, bn: (cdiv(T, bt),), lambda bt, bn: (x, A, u, T, k_in, R, k_in, k_in, R), cols="BK"),
+        "down": down,
         "up": lambda: run(
             "up", lambda bt, bn: (cdiv(T, bt), cdiv(n, bn)),
             lambda bt, bn: (out, base, u, B, SCALE, T, n, R, n, n, R, R),

@@ -102,15 +102,15 @@ def test_tune_lora_report_names_the_tables_tile_and_the_fastest():
 
 def test_tune_lora_launches_every_kernel_with_the_arguments_of_the_backward():
     """tune_lora.py's launches, run here by the interpreter on a few rows: each kernel with the
-    table's tiles, with another tile and pipelining depth, and du summed in splits of the output
-    width (each launch must take the arguments the kernels' signatures have)."""
+    table's tiles, with another tile and pipelining depth, and u and du summed in splits of their
+    widths (each launch must take the arguments the kernels' signatures have)."""
     import sys
 
     sys.path.insert(0, "benchmarks")
     import tune_lora
 
-    t = tune_lora.tensors(40, 48, 200, dev="cpu")
-    for kw in ({}, dict(BT=32, BN=64, warps=4, stages=2), dict(fills={"grad_u": 2, "grad_b": 4})):
+    t = tune_lora.tensors(40, 160, 200, dev="cpu")  # x 160 wide: u summed in two splits of 64-column tiles
+    for kw in ({}, dict(BT=32, BN=64, warps=4, stages=2), dict(fills={"down": 2, "grad_u": 2, "grad_b": 4})):
         runs = tune_lora._launches(t, **kw)
         assert sorted(runs) == sorted(tune_lora.K.GPU_TILES)
         for fn in runs.values():

@@ -51,10 +51,10 @@ def test_the_op_passes_the_rule_in_every_dtype(sp, xd, ad, od, r):
 
 
 @pytest.mark.parametrize("sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16)], ids=["bf16-f32", "bf16"])
-def test_du_summed_in_splits_of_the_output_width_passes_the_rule(sp, xd, ad, monkeypatch):
-    """du = gv @ B summed over an output width of 200 in two splits (the interpreter's, as a GPU's
-    with GPU_FILL set for it), their float32 sums added and rounded once: by the rule as the
-    unsplit sum is."""
+def test_u_and_du_summed_in_splits_of_their_widths_pass_the_rule(sp, xd, ad, monkeypatch):
+    """u = x A^T summed over x's width of 96 and du = gv @ B over an output width of 200, each in
+    two splits (the interpreter's, as a GPU's with GPU_FILL set for them), their float64 sums added
+    and rounded once: by the rule as the unsplit sums are."""
     from kernelgraft.kernels.lora import kernel as lk
 
     made = []
@@ -68,6 +68,7 @@ def test_du_summed_in_splits_of_the_output_width_passes_the_rule(sp, xd, ad, mon
     monkeypatch.setattr(lk, "FUSED_UB", False)  # du by grad_u (as where dB is not needed)
     verdicts = check_spelling(sp, _args(70, 96, 200, 8, xd, ad, xd), compile_ref=False)
     assert (200, (2, 128)) in made  # the output width, in two splits of two column tiles
+    assert (96, (2, 64)) in made  # x's width, in two splits of one column tile
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
 
@@ -122,6 +123,20 @@ def test_sums_over_65536_columns_pass_the_rule_on_a_gpu(sp, dtype, values):
 
     args = on_device(_values(sp.example_args(4, 65536, dtype, 0), values), "cuda")
     bad = [str(v) for v in check_spelling(sp, args, compile_ref=False) if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", [1, 8])
+def test_u_summed_in_splits_of_x_width_passes_the_rule_on_a_gpu(fill, monkeypatch):
+    """The down projection split over x's width on CUDA (GPU_FILL["down"], which `tune_lora.py
+    --parts fills` times), at the down projection's width in a Llama-3.2-1B layer."""
+    from kernelgraft.gradcheck.strategies import on_device
+    from kernelgraft.kernels.lora import kernel as lk
+
+    monkeypatch.setitem(lk.GPU_FILL, "down", fill)
+    args = on_device(_args(1000, 8192, 2048, 16, BF16, F32, BF16), "cuda")
+    bad = [str(v) for v in check_spelling(PEFT, args, compile_ref=True) if not v.ok]
     assert not bad, "\n".join(bad)
 
 

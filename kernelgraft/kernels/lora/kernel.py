@@ -57,10 +57,10 @@ SMALL_TILE = (32, 64, 4)
 GPU_STAGES: dict[str, int] = {"down": 4}
 # programs per SM that a kernel summing over a long dim aims at, splitting that dim (its splits'
 # float32 sums added afterwards in a fixed order): the weight gradients over the rows, du over the
-# output width (0: not split, one program per row tile summing all of it). The H200, 2026-12-03
+# output width and u over x's (0: not split, one program per row tile summing all of it). The H200, 2026-12-03
 # (`tune_lora.py --parts fills`, summed over the four pairs): 8 programs per SM 11 % (grad_b) and
 # 7 % (grad_a) faster than 2; du is fastest unsplit
-GPU_FILL = {"grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
+GPU_FILL = {"down": 0, "grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
 # du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
 # grad_u and grad_b, each reading it
 FUSED_UB = True
@@ -158,17 +158,35 @@ def forward(x, result, A, B, scaling: float):
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], base.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
     out = torch.empty((T, N), dtype=result.dtype, device=x.device)
-    u = torch.empty((T, R), dtype=A.dtype, device=x.device)
+    u = _down(launch, x2, Ac, T, K, R, A.dtype) if T else torch.empty((0, R), dtype=A.dtype, device=x.device)
     if T:
-        launch(
-            "down", lambda bt, bc: (cdiv(T, bt),),
-            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), cols="BK",
-        )  # fmt: skip
         launch(
             "up", lambda bt, bc: (cdiv(T, bt), cdiv(N, bc)),
             out, base, u, Bc, float(scaling), T, N, R, out.stride(0), base.stride(0), u.stride(0), Bc.stride(0),
         )  # fmt: skip
     return out.view(result.shape), u
+
+
+def _down(launch: _Launches, x2, Ac, T: int, K: int, R: int, dtype: torch.dtype) -> torch.Tensor:
+    """u = R_a(x A^T) (T x R, the adapters' dtype): one program per row tile summing x's whole width, or, split
+    (GPU_FILL; always on the CPU, so the interpreter runs the two-stage sum), each split's float64
+    sums added in a fixed order and then rounded once."""
+    BT, BK = launch.tile("down")
+    fill = GPU_FILL["down"]
+    n, cols = _splits(K, cdiv(T, BT), BK, launch.dev, fill) if fill or launch.dev.type != "cuda" else (1, K)
+    if n == 1:
+        u = torch.empty((T, R), dtype=dtype, device=launch.dev)
+        launch(
+            "down", lambda bt, bc: (cdiv(T, bt), 1),
+            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), max(K, 1), cols="BK", SPLIT=False,
+        )  # fmt: skip
+        return u
+    part = torch.empty((n, T, R), dtype=torch.float64, device=launch.dev)  # the kernel's long sums
+    launch(
+        "down", lambda bt, bc: (cdiv(T, bt), n),
+        x2, Ac, part, T, K, R, x2.stride(0), Ac.stride(0), R, cols, cols="BK", SPLIT=True,
+    )  # fmt: skip
+    return part.sum(0).float().to(dtype)
 
 
 def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: torch.dtype) -> torch.Tensor:

@@ -144,19 +144,26 @@ def kernel_source(
         + f'''
 
 @triton.jit
-def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su,
-                BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def {name}_down(x_ptr, a_ptr, u_ptr, T, K, R, sx, sa, su, cols,
+                BT: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
     # u[t, :] = R_a(x[t, :] @ A^T): x read once, in its dtype; each block's products summed in
-    # float32 (float64: sums_in_float64), the blocks' sums in {long_t[3:]}
+    # float32 (float64: sums_in_float64), the blocks' sums in {long_t[3:]}; SPLIT: over one split
+    # of x's width (`cols` columns), its sums stored at u_ptr as part[split, t, r], added and
+    # rounded afterwards
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     r = tl.arange(0, BR)
+    lo = tl.program_id(1) * cols
     acc = tl.full((BT, BR), 0.0, {long_t})
-    for k0 in range(0, K, BK):
+    for k0 in range(lo, lo + cols, BK):
         k = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + t[:, None] * sx + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
         at = tl.load(a_ptr + r[None, :] * sa + k[:, None], mask=(r[None, :] < R) & (k[:, None] < K), other=0.0)
         acc = {down_dot}
-    tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc.to(tl.float32)), mask=(t[:, None] < T) & (r[None, :] < R))
+    m = (t[:, None] < T) & (r[None, :] < R)
+    if SPLIT:
+        tl.store(u_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
+    else:
+        tl.store(u_ptr + t[:, None] * su + r[None, :], _r_a(acc.to(tl.float32)), mask=m)
 
 
 @triton.jit

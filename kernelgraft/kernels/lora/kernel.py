@@ -167,48 +167,38 @@ def forward(x, result, A, B, scaling: float):
     return out.view(result.shape), u
 
 
-def _down(launch: _Launches, x2, Ac, T: int, K: int, R: int, dtype: torch.dtype) -> torch.Tensor:
-    """u = R_a(x A^T) (T x R, the adapters' dtype): one program per row tile summing x's whole width, or, split
-    (GPU_FILL; always on the CPU, so the interpreter runs the two-stage sum), each split's float64
-    sums added in a fixed order and then rounded once."""
-    BT, BK = launch.tile("down")
-    fill = GPU_FILL["down"]
-    n, cols = _splits(K, cdiv(T, BT), BK, launch.dev, fill) if fill or launch.dev.type != "cuda" else (1, K)
+def _over_width(launch: _Launches, kernel: str, width: int, T: int, R: int, dtype: torch.dtype, args, cols="BN"):
+    """The T x R sums of `kernel` over a width (u over x's, du over the output's), rounded to
+    `dtype` (R_a): one program per row tile summing all of it, or, split (GPU_FILL; always on the
+    CPU, so the interpreter runs the two-stage sum), each split's float64 sums added in a fixed
+    order and then rounded once. args(out, its row stride, columns per program) -> the kernel's
+    arguments."""
+    BT, BC = launch.tile(kernel)
+    fill = GPU_FILL[kernel]
+    n, per = _splits(width, cdiv(T, BT), BC, launch.dev, fill) if fill or launch.dev.type != "cuda" else (1, width)
     if n == 1:
-        u = torch.empty((T, R), dtype=dtype, device=launch.dev)
-        launch(
-            "down", lambda bt, bc: (cdiv(T, bt), 1),
-            x2, Ac, u, T, K, R, x2.stride(0), Ac.stride(0), u.stride(0), max(K, 1), cols="BK", SPLIT=False,
-        )  # fmt: skip
-        return u
+        out = torch.empty((T, R), dtype=dtype, device=launch.dev)
+        launch(kernel, lambda bt, bc: (cdiv(T, bt), 1), *args(out, out.stride(0), max(width, 1)), cols=cols, SPLIT=False)
+        return out
     part = torch.empty((n, T, R), dtype=torch.float64, device=launch.dev)  # the kernel's long sums
-    launch(
-        "down", lambda bt, bc: (cdiv(T, bt), n),
-        x2, Ac, part, T, K, R, x2.stride(0), Ac.stride(0), R, cols, cols="BK", SPLIT=True,
-    )  # fmt: skip
+    launch(kernel, lambda bt, bc: (cdiv(T, bt), n), *args(part, R, per), cols=cols, SPLIT=True)
     return part.sum(0).float().to(dtype)
+
+
+def _down(launch: _Launches, x2, Ac, T: int, K: int, R: int, dtype: torch.dtype) -> torch.Tensor:
+    """u = R_a(x A^T) (T x R, the adapters' dtype)."""
+    return _over_width(
+        launch, "down", K, T, R, dtype,
+        lambda out, so, cols: (x2, Ac, out, T, K, R, x2.stride(0), Ac.stride(0), so, cols), cols="BK",
+    )  # fmt: skip
 
 
 def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: torch.dtype) -> torch.Tensor:
-    """du = R_a(gv @ B) (T x R, the adapters' dtype): one program per row tile summing the whole
-    output width, or, split (GPU_FILL), each split's float32 sums added in a fixed order and then
-    rounded once."""
-    BT, BN = launch.tile("grad_u")
-    fill = GPU_FILL["grad_u"]
-    n, cols = _splits(N, cdiv(T, BT), BN, launch.dev, fill) if fill or launch.dev.type != "cuda" else (1, N)
-    if n == 1:
-        du = torch.empty((T, R), dtype=dtype, device=launch.dev)
-        launch(
-            "grad_u", lambda bt, bc: (cdiv(T, bt), 1),
-            g2, Bc, du, s, T, N, R, g2.stride(0), Bc.stride(0), du.stride(0), max(N, 1), SPLIT=False,
-        )  # fmt: skip
-        return du
-    part = torch.empty((n, T, R), dtype=torch.float64, device=launch.dev)  # the kernel's long sums
-    launch(
-        "grad_u", lambda bt, bc: (cdiv(T, bt), n),
-        g2, Bc, part, s, T, N, R, g2.stride(0), Bc.stride(0), R, cols, SPLIT=True,
+    """du = R_a(gv @ B) (T x R, the adapters' dtype)."""
+    return _over_width(
+        launch, "grad_u", N, T, R, dtype,
+        lambda out, so, cols: (g2, Bc, out, s, T, N, R, g2.stride(0), Bc.stride(0), so, cols),
     )  # fmt: skip
-    return part.sum(0).float().to(dtype)
 
 
 def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, ad: torch.dtype):

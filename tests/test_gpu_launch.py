@@ -19,24 +19,28 @@ ARCHS = ["llama", "qwen3"]
 
 
 @pytest.fixture(autouse=True)
-def _inductor_picks_no_config_by_timing(monkeypatch):
-    """These tests compare the bits of two compiles of one model. Inductor times a reduction's
-    candidate configs on its first run and keeps the fastest, so with other work on the GPU two
-    compiles can pick two configs, which sum in two orders (a loss equal to 4 digits, not in bits).
-    Its deterministic mode keeps one config; kernelgraft's kernels make no such choice."""
+def _compiles_that_sum_in_one_order(monkeypatch):
+    """These tests compare the bits of two compiles of one model, so each sum must run in one order.
+    Two things in inductor's code choose an order at run time. It times a reduction's candidate
+    configs on its first run and keeps the fastest: with other work on the GPU two compiles can
+    pick two configs (a loss equal to 4 digits, not in bits); its deterministic mode keeps one
+    (`config.deterministic`, or deterministic algorithms in an older torch). And it lowers the
+    embedding's backward (an index_put that accumulates the rows of repeated tokens) to atomic
+    adds, whose order the GPU's scheduling decides, unless deterministic algorithms are on (then
+    aten's sorted sum). Both are set here; kernelgraft's
+    kernels make no such choice."""
     from torch._inductor import config
 
     if hasattr(config, "deterministic"):
         monkeypatch.setattr(config, "deterministic", True)
-        yield
-        return
-    # an older torch: deterministic algorithms make inductor keep one reduction config as well
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
 ROW = [s for s in REGISTRY.spellings() if s.kernel == "row"]
 
 

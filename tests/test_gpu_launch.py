@@ -27,8 +27,7 @@ def _compiles_that_sum_in_one_order(monkeypatch):
     (`config.deterministic`, or deterministic algorithms in an older torch). And it lowers the
     embedding's backward (an index_put that accumulates the rows of repeated tokens) to atomic
     adds, whose order the GPU's scheduling decides, unless deterministic algorithms are on (then
-    aten's sorted sum). Both are set here; kernelgraft's
-    kernels make no such choice."""
+    aten's sorted sum). Both are set here; kernelgraft's kernels make no such choice."""
     from torch._inductor import config
 
     if hasattr(config, "deterministic"):

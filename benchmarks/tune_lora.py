@@ -14,8 +14,10 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
     fills     the kernels that sum over a long dim (u over x's width, du over the output width, dA
               and dB over the rows) at the table's tile, with the programs per SM their splits aim
               at (GPU_FILL; 0: u or du not split) of 0/1/2/4/8
+    blocks    grad_ub with 1, 2 and 4 column blocks a program (source.UB_BLOCKS; kernel.py
+              GPU_UB_BLOCKS), du's partial sums added as the backward adds them
 
-    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills] [--kernels K1,K2]
+    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills,blocks] [--kernels K1,K2]
         -> DIR/tune_lora.json, DIR/tune_lora.md
 """
 
@@ -181,7 +183,20 @@ def fills(kernels: set | None = None) -> dict:
     return got
 
 
-def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) -> dict:
+def blocks() -> dict:
+    import triton
+
+    got: dict = {}
+    for k_in, n in PAIRS:
+        t = tensors(T, k_in, n)
+        for m in K.UB_BLOCKS:
+            fn = _launches(t, ub_blocks=m)["grad_ub"]
+            got.setdefault(str(m), {})[f"{k_in}->{n}"] = triton.testing.do_bench(fn, warmup=5, rep=15)
+        print(k_in, n, {m: got[str(m)][f"{k_in}->{n}"] for m in K.UB_BLOCKS}, flush=True)
+    return got
+
+
+def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None, ub_blocks: int = 1) -> dict:
     """Each LoRA kernel's launch on t's shapes (rank 16: BR 16) with one tile (None: each kernel's
     table tile) and the splits GPU_FILL (or `fills`) gives, as a thunk: du's split sums added as
     the backward adds them."""
@@ -226,10 +241,10 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None) ->
 
     def grad_ub():
         bt, bn, m = cfg("grad_ub")
-        C = cdiv(n, bn)
+        C = cdiv(n, bn * ub_blocks)
         ns, rows = K._splits(T, C, bt, dev, fill["grad_ub"])
         dupart, dbpart = torch.empty((C, T, R), device=dev), torch.empty((ns, n, R), device=dev)
-        kern("grad_ub")[(C, ns)](
+        kern("grad_ub" if ub_blocks == 1 else f"grad_ub{ub_blocks}")[(C, ns)](
             g, B, u, dupart, dbpart, SCALE, T, n, R, n, R, R, rows, BT=bt, BN=bn, **m
         )
         dupart.sum(0), dbpart.sum(0)
@@ -318,6 +333,14 @@ def markdown(res: dict) -> str:
     if "fills" in res:
         title = "the table's programs per SM for the split sums and the fastest"
         lines += _fastest(res["fills"], title, "fill", lambda kn: K.GPU_FILL[kn])
+    if "blocks" in res:
+        pairs = list(next(iter(res["blocks"].values())))
+        lines += ["**grad_ub, us, by column blocks a program**", ""]
+        lines += ["| blocks | " + " | ".join(pairs) + " | sum |", "|---" * (len(pairs) + 2) + "|"]
+        for m, by in res["blocks"].items():
+            us = [by[p] * 1e3 for p in pairs]
+            lines.append(f"| {m} | " + " | ".join(f"{v:.0f}" for v in us) + f" | {sum(us):.0f} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -337,7 +360,10 @@ def main():
     )
     os.makedirs(a.out, exist_ok=True)
     for part in a.parts.split(","):  # written after each part: a run cut short keeps what it measured
-        run = {"ops": ops, "accuracy": accuracy, "tiles": lambda: tiles(only), "fills": lambda: fills(only)}
+        run = {
+            "ops": ops, "accuracy": accuracy, "tiles": lambda: tiles(only), "fills": lambda: fills(only),
+            "blocks": blocks,
+        }  # fmt: skip
         res[part] = run[part]()
         with open(os.path.join(a.out, "tune_lora.json"), "w") as f:
             json.dump(res, f, indent=1)

@@ -92,9 +92,11 @@ def test_tune_lora_report_names_the_tables_tile_and_the_fastest():
     }
     fills = {"grad_u": {"0": {"2048->512": 2e-3}, "4": {"2048->512": 1e-3}}}
     acc = [dict(what="dA", eager=4.7e-7, compile=4.7e-7, kernelgraft=2.7e-7, ok=True)]
+    blocks = {"1": {"2048->512": 0.1, "8192->2048": 0.2}, "2": {"2048->512": 0.05, "8192->2048": 0.15}}  # ms
     md = tune_lora.markdown(
-        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", accuracy=acc, tiles=tiles, fills=fills)
+        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", accuracy=acc, tiles=tiles, fills=fills, blocks=blocks)
     )
+    assert "| 2 | 50 | 150 | 200 |" in md  # grad_ub with two column blocks a program, us
     assert f"| down | {table['down']} | 3 | (128, 64, 8, 2) | 1 |" in md
     assert f"| grad_u | {tune_lora.K.GPU_FILL['grad_u']} | 2 | 4 | 1 |" in md
     assert "| dA | 4.700e-07 | 4.700e-07 | 2.700e-07 | ok |" in md
@@ -115,6 +117,8 @@ def test_tune_lora_launches_every_kernel_with_the_arguments_of_the_backward():
         assert sorted(runs) == sorted(tune_lora.K.GPU_TILES)
         for fn in runs.values():
             fn()
+    for m in tune_lora.K.UB_BLOCKS:  # grad_ub with 1, 2 and 4 column blocks a program
+        tune_lora._launches(t, ub_blocks=m)["grad_ub"]()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

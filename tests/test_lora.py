@@ -76,12 +76,15 @@ def test_u_and_du_summed_in_splits_of_their_widths_pass_the_rule(sp, xd, ad, mon
 @pytest.mark.parametrize(
     "sp,xd,ad", [(PEFT, BF16, F32), (SAME, BF16, BF16), (SAME, F32, F32)], ids=["bf16-f32", "bf16", "f32"]
 )
-def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, monkeypatch):
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, blocks, monkeypatch):
     """grad_ub reads the output's gradient once for du and dB: du summed over 4 column blocks of an
-    output width of 200, dB over two splits of the rows. By the rule, and dB bitwise as grad_b's
-    (the same products, summed in the same splits); du as grad_u's to float32 rounding."""
+    output width of 200 (`blocks` of them a program), dB over two splits of the rows. By the rule,
+    and dB bitwise as grad_b's (the same products, summed in the same splits); du as grad_u's to
+    float32 rounding."""
     from kernelgraft.kernels.lora import kernel as lk
 
+    monkeypatch.setattr(lk, "CPU_UB_BLOCKS", blocks)
     args = _args(70, 96, 200, 8, xd, ad, xd)
     launched = []
     call = lk._Launches.__call__
@@ -92,7 +95,8 @@ def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, monkeypatch):
 
     monkeypatch.setattr(lk._Launches, "__call__", spy)
     verdicts = check_spelling(sp, args, compile_ref=False)
-    assert "grad_ub" in launched and "grad_u" not in launched and "grad_b" not in launched
+    name = "grad_ub" if blocks == 1 else f"grad_ub{blocks}"
+    assert name in launched and "grad_u" not in launched and "grad_b" not in launched
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
 
@@ -136,6 +140,20 @@ def test_u_summed_in_splits_of_x_width_passes_the_rule_on_a_gpu(fill, monkeypatc
 
     monkeypatch.setitem(lk.GPU_FILL, "down", fill)
     args = on_device(_args(1000, 8192, 2048, 16, BF16, F32, BF16), "cuda")
+    bad = [str(v) for v in check_spelling(PEFT, args, compile_ref=True) if not v.ok]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_du_and_db_with_several_column_blocks_a_program_pass_the_rule_on_a_gpu(blocks, monkeypatch):
+    """grad_ub with 2 or 4 column blocks a program on CUDA (GPU_UB_BLOCKS, which `tune_lora.py
+    --parts blocks` times), at a gate projection's output width of a Llama-3.2-1B layer."""
+    from kernelgraft.gradcheck.strategies import on_device
+    from kernelgraft.kernels.lora import kernel as lk
+
+    monkeypatch.setattr(lk, "GPU_UB_BLOCKS", blocks)
+    args = on_device(_args(1000, 2048, 8192, 16, BF16, F32, BF16), "cuda")
     bad = [str(v) for v in check_spelling(PEFT, args, compile_ref=True) if not v.ok]
     assert not bad, "\n".join(bad)
 

@@ -32,7 +32,7 @@ import torch
 
 from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, tracing
 from ..rows import tuning as row_tuning
-from .source import kernel_name, kernel_source, kernels, precision, sums_in_float64  # noqa: F401 - the family's API
+from .source import UB_BLOCKS, kernel_name, kernel_source, kernels, precision, sums_in_float64  # noqa: F401
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
 
@@ -64,11 +64,19 @@ GPU_FILL = {"down": 0, "grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
 # du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
 # grad_u and grad_b, each reading it
 FUSED_UB = True
+# grad_ub's column blocks per program on the GPU (source.UB_BLOCKS): a program of M blocks writes du's
+# partial sums once for its M x BN columns, 1/M of those of one block a program, and keeps M of
+# dB's accumulators. Not measured yet: 1 (one block a program, the tuned tile) until
+# `tune_lora.py --parts blocks` says otherwise. The interpreter's (CPU_UB_BLOCKS) is 2, so CI runs
+# the repeated code.
+GPU_UB_BLOCKS = 1
+CPU_UB_BLOCKS = 2
 
 
 def _blocks(R: int, kernel: str, device: torch.device) -> tuple[int, int, int, int]:
     """(rows, columns, rank, warps) of `kernel`'s tile: tl.dot needs each side at least 16."""
     BR = max(16, pow2(R))
+    kernel = kernel.rstrip("0123456789")  # grad_ub2, grad_ub4: grad_ub's tile
     BT, BN, warps = GPU_TILES[kernel] if device.type == "cuda" and BR <= 16 else SMALL_TILE
     return BT, BN, BR, warps
 
@@ -202,16 +210,18 @@ def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: 
 
 
 def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, ad: torch.dtype):
-    """(du, dB) from one read of g (T, N > 0): du's float32 sums per column block and dB's per
-    split of the rows, each added in a fixed order and rounded once, as the unfused kernels' split
-    sums are (the same products; du's sums are split by column blocks instead of unsplit)."""
+    """(du, dB) from one read of g (T, N > 0): du's float32 sums per group of column blocks (a
+    program's, GPU_UB_BLOCKS) and dB's per split of the rows, each added in a fixed order and
+    rounded once, as the unfused kernels' split sums are (the same products; du's sums are split
+    by column groups instead of unsplit)."""
     BT, BN = launch.tile("grad_ub")
-    C = cdiv(N, BN)
+    M = GPU_UB_BLOCKS if launch.dev.type == "cuda" else CPU_UB_BLOCKS
+    C = cdiv(N, BN * M)  # column groups: a program each per split of the rows
     n, rows = _splits(T, C, BT, launch.dev, GPU_FILL["grad_ub"])
     dupart = torch.empty((C, T, R), dtype=launch.sums, device=launch.dev)
     dbpart = torch.empty((n, N, R), dtype=launch.sums, device=launch.dev)
     launch(
-        "grad_ub", lambda bt, bc: (C, n),
+        "grad_ub" if M == 1 else f"grad_ub{M}", lambda bt, bc: (C, n),
         g2, Bc, u, dupart, dbpart, s, T, N, R, g2.stride(0), Bc.stride(0), u.stride(0), rows,
     )  # fmt: skip
     du = dupart.squeeze(0) if C == 1 else dupart.sum(0)

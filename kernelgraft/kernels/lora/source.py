@@ -5,6 +5,7 @@ products split so that they stay as exact as float32's (`precision`)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -137,6 +138,9 @@ def kernel_source(
         ub_u_dot = prod("gt", "bt")
     # the scaling left out of the products above, applied to their sums
     scaled = "\n    acc = acc * s" if g_exact else ""
+    grad_ub = "\n\n".join(
+        _grad_ub_source(name, m, gu, ub_b_dot, ub_u_dot, b_parts, scaled, acc_t) for m in UB_BLOCKS
+    )
     return (
         head
         + rounders
@@ -232,31 +236,7 @@ def {name}_grad_b(g_ptr, u_ptr, part_ptr, s, T, N, R, sg, su, rows,
     tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
 
 
-@triton.jit
-def {name}_grad_ub(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sb, su, rows,
-                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    # du and dB from one read of the output's gradient: a program takes BN columns of it over one
-    # split of the rows. du's sums over the program's columns, per row: dupart[column
-    # block, t, r] (added over the blocks afterwards, as du's split sums are); dB's sums
-    # over the split's rows: dbpart[split, n, r]
-    s = tl.full([], s, tl.float32)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    r = tl.arange(0, BR)
-    bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-    bt = bt.to(tl.float32){b_parts}
-    lo = tl.program_id(1) * rows
-    acc = tl.full((BN, BR), 0.0, {acc_t})
-    for t0 in range(lo, lo + rows, BT):
-        t = t0 + tl.arange(0, BT)
-        gt = {gu}
-        ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
-        acc = {ub_b_dot}
-        du = {ub_u_dot}
-        m = (t[:, None] < T) & (r[None, :] < R)
-        tl.store(dupart_ptr + tl.program_id(0) * T * R + t[:, None] * R + r[None, :], du, mask=m){scaled}
-    out = dbpart_ptr + tl.program_id(1) * N * R + n[:, None] * R + r[None, :]
-    tl.store(out, acc, mask=(n[:, None] < N) & (r[None, :] < R))
-
+{grad_ub}
 
 @triton.jit
 def {name}_grad_a(du_ptr, x_ptr, part_ptr, T, K, R, sdu, sx, rows,
@@ -288,6 +268,60 @@ def {name}_grad_x(dx_ptr, du_ptr, a_ptr, T, K, R, sdx, sdu, sa,
     tl.store(dx_ptr + t[:, None] * sdx + k[None, :], dx, mask=(t[:, None] < T) & (k[None, :] < K))
 '''
     )
+
+
+UB_BLOCKS = (1, 2, 4)  # the grad_ub variants: column blocks per program (kernel.py picks one)
+
+
+def _grad_ub_source(name: str, M: int, gu, ub_b_dot, ub_u_dot, b_parts, scaled, acc_t) -> str:
+    """The kernel making du and dB from one read of the output's gradient, a program taking M column
+    blocks of BN over one split of the rows (`{name}_grad_ub`, and `_grad_ubM` for M > 1). du's
+    sums over the program's M x BN columns, per row: dupart[program's column group, t, r] (added
+    over the groups afterwards, as du's split sums are; M blocks a program write 1/M of the
+    partial sums of one block a program). dB's sums over the split's rows: dbpart[split, n, r],
+    one accumulator per column block. The code of one block (the names gt, acc, bt, bhi, blo, n in
+    the products above) is repeated with the block's index."""
+
+    def nth(code: str, j: int) -> str:
+        return re.sub(r"\b(gt|acc|bt|bhi|blo|n)\b", lambda m: f"{m.group(1)}{j}", code)
+
+    kname = f"{name}_grad_ub" + ("" if M == 1 else str(M))
+    lines = [
+        "@triton.jit",
+        f"def {kname}(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sb, su, rows,",
+        "             BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):",
+        f"    # du and dB from one read of the output's gradient, {M} column block(s) of BN a program",
+        "    s = tl.full([], s, tl.float32)",
+        "    r = tl.arange(0, BR)",
+    ]
+    for j in range(M):
+        lines += [
+            f"    n{j} = (tl.program_id(0) * {M} + {j}) * BN + tl.arange(0, BN)",
+            f"    bt{j} = tl.load(b_ptr + n{j}[:, None] * sb + r[None, :], mask=(n{j}[:, None] < N) & (r[None, :] < R), other=0.0)",
+            f"    bt{j} = bt{j}.to(tl.float32)" + nth(b_parts, j),
+            f"    acc{j} = tl.full((BN, BR), 0.0, {acc_t})",
+        ]
+    lines += [
+        "    lo = tl.program_id(1) * rows",
+        "    for t0 in range(lo, lo + rows, BT):",
+        "        t = t0 + tl.arange(0, BT)",
+        "        ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)",
+    ]
+    for j in range(M):
+        lines += [f"        gt{j} = {nth(gu, j)}", f"        acc{j} = {nth(ub_b_dot, j)}"]
+        lines.append(f"        du = {nth(ub_u_dot, j)}" if j == 0 else f"        du = du + {nth(ub_u_dot, j)}")
+    lines += [
+        "        m = (t[:, None] < T) & (r[None, :] < R)",
+        "        tl.store(dupart_ptr + tl.program_id(0) * T * R + t[:, None] * R + r[None, :], du, mask=m)",
+    ]
+    for j in range(M):
+        if scaled:
+            lines.append(nth(scaled, j).lstrip("\n"))
+        lines.append(
+            f"    tl.store(dbpart_ptr + tl.program_id(1) * N * R + n{j}[:, None] * R + r[None, :], acc{j}, "
+            f"mask=(n{j}[:, None] < N) & (r[None, :] < R))"
+        )
+    return "\n".join(lines)
 
 
 def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, long_sums: str | None = None) -> str:

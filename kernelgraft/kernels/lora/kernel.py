@@ -166,8 +166,12 @@ def forward(x, result, A, B, scaling: float):
     T, K, R, N = x2.shape[0], x2.shape[1], A.shape[0], base.shape[1]
     Ac, Bc = A.contiguous(), B.contiguous()
     out = torch.empty((T, N), dtype=result.dtype, device=x.device)
-    u = _down(launch, x2, Ac, T, K, R, A.dtype) if T else torch.empty((0, R), dtype=A.dtype, device=x.device)
+    u = torch.empty((0, R), dtype=A.dtype, device=x.device)
     if T:
+        u = _over_width(  # u = R_a(x A^T)
+            launch, "down", K, T, R, A.dtype,
+            lambda o, so, cols: (x2, Ac, o, T, K, R, x2.stride(0), Ac.stride(0), so, cols), cols="BK",
+        )  # fmt: skip
         launch(
             "up", lambda bt, bc: (cdiv(T, bt), cdiv(N, bc)),
             out, base, u, Bc, float(scaling), T, N, R, out.stride(0), base.stride(0), u.stride(0), Bc.stride(0),
@@ -191,14 +195,6 @@ def _over_width(launch: _Launches, kernel: str, width: int, T: int, R: int, dtyp
     part = torch.empty((n, T, R), dtype=torch.float64, device=launch.dev)  # the kernel's long sums
     launch(kernel, lambda bt, bc: (cdiv(T, bt), n), *args(part, R, per), cols=cols, SPLIT=True)
     return part.sum(0).float().to(dtype)
-
-
-def _down(launch: _Launches, x2, Ac, T: int, K: int, R: int, dtype: torch.dtype) -> torch.Tensor:
-    """u = R_a(x A^T) (T x R, the adapters' dtype)."""
-    return _over_width(
-        launch, "down", K, T, R, dtype,
-        lambda out, so, cols: (x2, Ac, out, T, K, R, x2.stride(0), Ac.stride(0), so, cols), cols="BK",
-    )  # fmt: skip
 
 
 def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: torch.dtype) -> torch.Tensor:

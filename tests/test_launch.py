@@ -1,6 +1,7 @@
 """How tensors reach the kernels: read in place through per-tensor strides (HF's transposed q and
 cos/sin broadcast over heads are never copied), and two sites in one launch (q and k of a layer)."""
 
+import contextlib
 import dataclasses
 import warnings
 
@@ -358,6 +359,20 @@ def test_a_kernel_that_fails_to_compile_falls_back_with_a_warning(broken_kernels
     rx, rw = torch.autograd.grad(ref, (x, w), torch.ones_like(ref))
     assert torch.equal(y, ref) and torch.equal(gx, rx) and torch.equal(gw, rw)  # the stock numbers
     assert any("rms_norm" in k[0] and "injected" in v for k, v in failed_kernels().items())
+
+
+def test_a_check_of_a_kernel_that_fell_back_raises_instead_of_judging_eager(broken_kernels):
+    """A kernel that fails gives the stock numbers, which pass the rule: the check raises instead,
+    when the failure happens during the check and when it happened before in the process."""
+    from kernelgraft.gradcheck import check_spelling
+    from kernelgraft.gradcheck.spelling import KernelFellBack
+
+    x = torch.randn(6, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning) if not broken_kernels.FAILED else contextlib.nullcontext():
+            with pytest.raises(KernelFellBack, match="rms_norm.llama: the kernel fell back.*injected"):
+                check_spelling(RMS, (x, w, 1e-6), compile_ref=False)
 
 
 @pytest.mark.parametrize("error", ["DefaultCPUAllocator: can't allocate memory", "CUDA out of memory."])

@@ -158,6 +158,28 @@ def test_du_and_db_with_several_column_blocks_a_program_pass_the_rule_on_a_gpu(b
     assert not bad, "\n".join(bad)
 
 
+def test_the_pipeline_depth_fits_the_shared_memory_at_every_rank(monkeypatch):
+    """Each stage holds a tile of the streamed operands: at rank 256 the down projection's tuned 4
+    stages (or Triton's 3) of a 64 x 256 float32 adapter tile would need more than an H200's
+    232,448 bytes, and Triton refuses the launch; the depth is cut to what fits."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(lk, "_shared_memory", lambda index: 232448)
+    assert lk._stages("down", 64, 64, 16, cuda) == 4  # the tuned tile keeps its tuned depth
+    assert lk._stages("grad_u", 64, 64, 16, cuda) is None  # Triton's default, 3
+    assert lk._stages("down", 32, 64, 256, cuda) == 2
+    assert lk._stages("down", 32, 64, 64, cuda) is None
+    for kernel in ("down", "up", "grad_u", "grad_b", "grad_ub2", "grad_a", "grad_x"):
+        for r in (1, 16, 32, 64, 128, 256):
+            BT, BC, BR, _ = lk._blocks(r, kernel, cuda)
+            n = lk._stages(kernel, BT, BC, BR, cuda) or lk.TRITON_STAGES
+            assert n * 4 * (BC * BR + BT * max(BC, BR)) <= 232448, (kernel, r, n)
+    monkeypatch.setattr(lk, "_shared_memory", lambda index: 101376)  # a consumer card's
+    assert lk._stages("down", 32, 64, 256, cuda) == 1
+    assert lk._stages("down", 64, 64, 16, torch.device("cpu")) is None  # the interpreter: no stages
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", [1, 16, 64, 256])
 @pytest.mark.parametrize(

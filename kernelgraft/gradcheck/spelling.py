@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._dynamo import room_for_recompiles
-from ..kernels import op_for
+from ..kernels import fallback, op_for
 from .references import run_with_grads
 from .rule import Verdict, judge
 
@@ -38,11 +38,15 @@ def check_spelling(
 def compare(spelling, args: tuple, op, grad_out=None, compile_ref: bool = True, seed: int = 0) -> list[tuple]:
     """The runs every check compares: float64 truth, `op`, eager and (compile_ref) torch.compile of
     the spelling on `args`, with one incoming gradient -> [(what, truth, op's, eager's, compile's)]
-    for the output and each gradient the truth has. An exception from `op` propagates."""
+    for the output and each gradient the truth has. An exception from `op` propagates, and so does
+    a kernel that fell back to the spelling's own code (KernelFellBack): its numbers would be
+    eager's, and the check would pass without having run the kernel."""
     ref = spelling.fn
     g = _grad(ref, args, grad_out, seed)
     truth, tgrads = run_with_grads(ref, args, g, truth=True)
+    before = dict(fallback.FAILED)
     kg, kgrads = run_with_grads(op, args, g)
+    _did_not_fall_back(spelling, args, before)
     eager, egrads = run_with_grads(ref, args, g)
     comp, cgrads = (None, [None] * len(egrads))
     if compile_ref:
@@ -58,6 +62,28 @@ def compare(spelling, args: tuple, op, grad_out=None, compile_ref: bool = True, 
         if t is not None:
             out.append((f"grad {n}", t, k, e, c))
     return out
+
+
+class KernelFellBack(RuntimeError):
+    """The kernel under check failed (compile, resources, launch) and its sites ran the spelling's
+    own PyTorch code instead."""
+
+
+def _did_not_fall_back(spelling, args: tuple, before: dict) -> None:
+    """Raise KernelFellBack where running the op recorded a kernel failure, or where the sites of
+    this spelling, device and dtype fell back earlier in the process."""
+    new = {k: v for k, v in fallback.FAILED.items() if k not in before}
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    earlier = None
+    if first is not None:
+        earlier = fallback.failure_of(fallback.site_key(spelling.qualname, first.device.type, first.dtype))
+    if new or earlier:
+        why = "; ".join(f"{name} on {dev}: {w}" for (name, dev), w in new.items()) or earlier
+        raise KernelFellBack(
+            f"{spelling.qualname}: the kernel fell back to the spelling's PyTorch code ({why}), so its "
+            "numbers are eager's and the check cannot judge the kernel. Fix the kernel's failure "
+            "(tile, resources) for these shapes and dtypes."
+        )
 
 
 # The incoming gradient's random stream, apart from the inputs'. Drawn from the seed of the inputs

@@ -28,6 +28,8 @@ The matmuls' adjoints are the rules of a product of matrices: d(P Q) = dP Q + P 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, tracing
@@ -52,9 +54,13 @@ GPU_TILES = {
     "grad_x": (32, 128, 4),
 }
 SMALL_TILE = (32, 64, 4)
-# Triton's software pipelining depth per kernel on the GPU (absent: Triton's default; the down
-# projection's 4 stages 3 % faster than 3 on the H200, 2026-12-03, `tune_lora.py --parts tiles`)
+# Triton's software pipelining depth per kernel on the GPU at the tuned tiles (absent: Triton's
+# default; the down projection's 4 stages 3 % faster than 3 on the H200, 2026-12-03, `tune_lora.py
+# --parts tiles`). Every stage holds one tile of each operand a loop streams: at large ranks
+# (a 64 x 256 float32 adapter tile is 64 KiB) the depth is cut to what the device's shared memory
+# holds (_stages), else Triton refuses the launch.
 GPU_STAGES: dict[str, int] = {"down": 4}
+TRITON_STAGES = 3  # Triton's default depth on CUDA
 # programs per SM that a kernel summing over a long dim aims at, splitting that dim (its splits'
 # float32 sums added afterwards in a fixed order): the weight gradients over the rows, du over the
 # output width and u over x's (0: not split, one program per row tile summing all of it). The H200, 2026-12-03
@@ -79,6 +85,28 @@ def _blocks(R: int, kernel: str, device: torch.device) -> tuple[int, int, int, i
     kernel = kernel.rstrip("0123456789")  # grad_ub2, grad_ub4: grad_ub's tile
     BT, BN, warps = GPU_TILES[kernel] if device.type == "cuda" and BR <= 16 else SMALL_TILE
     return BT, BN, BR, warps
+
+
+@functools.cache
+def _shared_memory(index) -> int:
+    """Bytes of shared memory one program may use on the device (the limit Triton checks against)."""
+    import triton
+
+    index = index if index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def _stages(kernel: str, BT: int, BC: int, BR: int, device: torch.device) -> int | None:
+    """The pipelining depth of `kernel`'s launch on the GPU (None: Triton's default). A stage holds
+    a tile of each streamed operand, at most BC x BR and BT x max(BC, BR) float32 values: the depth
+    stays within 7/8 of the device's shared memory (the rest for the layout conversions)."""
+    if device.type != "cuda":
+        return None
+    want = GPU_STAGES.get(kernel.rstrip("0123456789"), TRITON_STAGES) if BR <= 16 else TRITON_STAGES
+    fit = max(1, _shared_memory(device.index) * 7 // 8 // (4 * (BC * BR + BT * max(BC, BR))))
+    if fit >= want:
+        return None if want == TRITON_STAGES else want
+    return fit
 
 
 def _splits(T: int, blocks: int, BT: int, device: torch.device, fill: int | None = None) -> tuple[int, int]:
@@ -138,7 +166,7 @@ class _Launches:
         """`kernel` on `args`; grid(rows per tile, columns per tile) -> its grid; cols: the name of
         its column block; consts: its other compile-time arguments."""
         BT, BC, BR, warps = _blocks(self.R, kernel, self.dev)
-        stages = GPU_STAGES.get(kernel) if self.dev.type == "cuda" else None
+        stages = _stages(kernel, BT, BC, BR, self.dev)
         opts = dict(self.opts, **({} if stages is None else {"num_stages": stages}))
         launcher(getattr(self.mod, f"{self.name}_{kernel}"))[grid(BT, BC)](
             *args, BT=BT, BR=BR, num_warps=warps, **{cols: BC}, **consts, **opts

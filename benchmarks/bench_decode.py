@@ -29,6 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+from benchlib import failed_kernels_note  # noqa: E402
 from suite import SHAPES, apply_mode  # noqa: E402
 
 MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)")
@@ -214,8 +215,9 @@ def main(argv=None) -> int:
     batches = tuple(int(b) for b in a.batches.split(","))
     res = run(batches, a.prompt, a.new, tuple(m.strip() for m in a.modes.split(",")), rounds=a.rounds)
     doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), decode=res)
+    failed = failed_kernels_note(doc)
     json.dump(doc, open(os.path.join(a.out, "decode.json"), "w"), indent=1)
-    md = f"Greedy decoding, bf16, {doc['gpu']}, {doc['date']}\n" + markdown(res)
+    md = f"Greedy decoding, bf16, {doc['gpu']}, {doc['date']}\n" + markdown(res) + failed
     open(os.path.join(a.out, "decode.md"), "w").write(md)
     print(md)
     return 0

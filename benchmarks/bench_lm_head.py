@@ -18,7 +18,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from benchlib import cuda_kernels, peak_above
+from benchlib import cuda_kernels, failed_kernels_note, peak_above
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -238,7 +238,7 @@ def main():
                 f"{v['peak_gib_above_inputs']:.2f} | "
                 f"{v['err_loss']:.2e} | {v['err_grad_h']:.2e} | {v['err_grad_w']:.2e} |"
             )
-    md = "\n".join(lines) + "\n"
+    md = "\n".join(lines) + "\n" + failed_kernels_note(doc)
     open(os.path.join(a.out, "lm_head.md"), "w").write(md)
     json.dump(doc, open(os.path.join(a.out, "lm_head.json"), "w"), indent=1)
     print(md)

@@ -13,6 +13,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from benchlib import failed_kernels_note
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -125,7 +126,7 @@ def main():
                 f"| {n} | {v['fwd_bwd_ms']:.3f} | {e / v['fwd_bwd_ms']:.2f}x | {c / v['fwd_bwd_ms']:.2f}x | "
                 f"{v['err_out']:.2e} | {v['err_grad']:.2e} |"
             )
-    md = "\n".join(lines) + "\n"
+    md = "\n".join(lines) + "\n" + failed_kernels_note(doc)
     open(os.path.join(a.out, "ops.md"), "w").write(md)
     json.dump(doc, open(os.path.join(a.out, "ops.json"), "w"), indent=1)
     print(md)

@@ -7,6 +7,23 @@ import re
 import torch
 
 
+def failed_kernels_note(doc: dict) -> str:
+    """The generated kernels that failed in this process, recorded in `doc` ("kernels_failed") and
+    as a Markdown paragraph to append to the table ('' where none failed). Their sites ran the
+    stock PyTorch code from then on, so a kernelgraft row that used them measured that code."""
+    from kernelgraft.kernels import failed_kernels
+
+    failed = failed_kernels()
+    if not failed:
+        return ""
+    doc["kernels_failed"] = {f"{name} ({dev})": why for (name, dev), why in failed.items()}
+    said = "; ".join(f"`{k}`: {why[:200]}" for k, why in doc["kernels_failed"].items())
+    return (
+        "\n**Kernels that failed in this run**, whose sites ran the stock PyTorch code from then on "
+        f"(the kernelgraft rows that used them measured that code): {said}\n"
+    )
+
+
 def names(spec: str) -> list[str]:
     """A comma-separated list of names; a comma inside parentheses does not split
     ("kernelgraft (inductor, no recompute),liger" is two modes)."""

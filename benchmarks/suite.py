@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
 from benchlib import (  # noqa: E402
+    failed_kernels_note,
     in_turns,
     names,
     paired_ratios,
@@ -888,8 +889,9 @@ def main(argv=None) -> int:
     path = os.path.join(a.out, "suite.json")
 
     def save():
+        failed = failed_kernels_note(doc)
         json.dump(doc, open(path, "w"), indent=1)
-        open(os.path.join(a.out, "suite.md"), "w").write(markdown(doc))
+        open(os.path.join(a.out, "suite.md"), "w").write(markdown(doc) + failed)
 
     parts = a.parts.split(",")
     if "patterns" in parts:

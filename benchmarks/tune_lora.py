@@ -31,6 +31,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from benchlib import failed_kernels_note
 
 from kernelgraft.gradcheck.rule import bound
 from kernelgraft.kernels.launching import cdiv
@@ -365,9 +366,10 @@ def main():
             "blocks": blocks,
         }  # fmt: skip
         res[part] = run[part]()
+        failed = failed_kernels_note(res)
         with open(os.path.join(a.out, "tune_lora.json"), "w") as f:
             json.dump(res, f, indent=1)
-        md = markdown(res)
+        md = markdown(res) + failed
         with open(os.path.join(a.out, "tune_lora.md"), "w") as f:
             f.write(md)
     print(md)

@@ -196,3 +196,20 @@ def test_taking_turns_rotates_the_order_and_pairs_the_rounds():
     before = {("m", "f"): print, ("m", "data"): 1, ("m", "g"): len}
     after = {("m", "f"): repr, ("m", "data"): 2, ("m", "g"): len, ("m", "new"): abs}
     assert benchlib.changed_globals(before, after) == {("m", "f"): (print, repr)}  # data and new names left
+
+
+def test_a_run_whose_kernels_failed_says_so_beside_its_tables(monkeypatch):
+    """A kernel that fails sends its sites to the stock code for the rest of the process, so a
+    kernelgraft row timed after it measured that code: the JSON records the failures and the
+    Markdown names them; nothing is added where none failed."""
+    from kernelgraft.kernels import fallback
+
+    monkeypatch.setattr(fallback, "FAILED", {})
+    doc = {}
+    assert benchlib.failed_kernels_note(doc) == "" and doc == {}
+    why = "OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448."
+    monkeypatch.setattr(fallback, "FAILED", {("lora__bfloat16__float32__bfloat16", "cuda"): why})
+    note = benchlib.failed_kernels_note(doc)
+    assert doc["kernels_failed"] == {"lora__bfloat16__float32__bfloat16 (cuda)": why}
+    assert "Kernels that failed in this run" in note and "`lora__bfloat16__float32__bfloat16 (cuda)`" in note
+    assert "Required: 262144" in note

@@ -422,7 +422,7 @@ def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, ba
     mine = kernelgraft.optimize(tiny_model("llama"), backend=backend.split(",")[0], mode=mode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        verdicts = compare_models(mine, stock, batch(), compiled=False)
+        verdicts = compare_models(mine, stock, batch(), compiled=False, fell_back_ok=True)
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]
     said = [str(w.message) for w in caught if "kernelgraft: the generated kernel" in str(w.message)]
     # norm, rope (paired), gated mlp, the LM head's CE kernel: each warned once, naming its sites

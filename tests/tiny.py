@@ -127,13 +127,15 @@ def loss_and_grads(model, b, truth: bool = False, wrapped=None):
     }
 
 
-def compare_models(optimized, stock, b, compiled=True):
+def compare_models(optimized, stock, b, compiled=True, fell_back_ok=False):
     """Verdicts for the loss and every parameter gradient of `optimized` vs float64 truth, beside the
     stock model's eager and torch.compile (inductor) runs in the same dtype: the accuracy rule
     (kernelgraft.gradcheck.judge: an error at most 1.1x the larger reference's + 4 float32 eps).
     `b`: a batch, or a list of batches. Over several batches each quantity is judged on all of them
     at once (its values from every batch in one vector): the loss, one number per batch, and a
-    small gradient are then statistics of the rounding, not one draw of it."""
+    small gradient are then statistics of the rounding, not one draw of it. A site whose kernel
+    failed at run time runs the stock code, whose numbers pass: unless `fell_back_ok`, that fails
+    the comparison (it would judge eager against itself)."""
     batches = b if isinstance(b, list) else [b]
     truth_model = copy.deepcopy(stock).to(torch.float64)
     if getattr(truth_model.config, "_experts_implementation", None) not in (None, "eager"):
@@ -157,6 +159,11 @@ def compare_models(optimized, stock, b, compiled=True):
         parts = [loss if key is None else grads[key] for loss, grads in runs[name]]
         return parts[0] if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
 
+    report = getattr(optimized, "kernelgraft_report", None)
+    lost = report.fell_back_at_run_time() if report is not None and not fell_back_ok else []
+    assert not lost, "kernels fell back at run time, so the check would judge the stock code: " + "; ".join(
+        f"{r.module}: {r.status()}" for r in lost[:3]
+    )
     tg, eg, kg = runs["truth"][0][1], runs["eager"][0][1], runs["kernelgraft"][0][1]
     assert set(kg) == set(eg) == set(tg), "the optimized model must produce a gradient for every parameter"
     verdicts = [judge("loss", *(joined(r, None) for r in ("truth", "kernelgraft", "eager", "compile")))]

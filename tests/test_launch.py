@@ -446,6 +446,9 @@ def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, ba
     (stock(**b2).loss * 0.3).backward()
     for (n, p), q in zip(mine.named_parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+    # a comparison that does not expect it refuses to judge such a model (stock against stock)
+    with pytest.raises(AssertionError, match="kernels fell back at run time.*injected"):
+        compare_models(mine, stock, batch(), compiled=False)
 
 
 def _real_and_fake(call, tensors):

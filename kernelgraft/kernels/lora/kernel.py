@@ -65,16 +65,18 @@ TRITON_STAGES = 3  # Triton's default depth on CUDA
 # float32 sums added afterwards in a fixed order): the weight gradients over the rows, du over the
 # output width and u over x's (0: not split, one program per row tile summing all of it). The H200, 2026-12-03
 # (`tune_lora.py --parts fills`, summed over the four pairs): 8 programs per SM 11 % (grad_b) and
-# 7 % (grad_a) faster than 2; du is fastest unsplit
+# 7 % (grad_a) faster than 2; du is fastest unsplit, and so is u (2026-12-04: the down projection
+# 201 us unsplit, the fastest of the fills swept)
 GPU_FILL = {"down": 0, "grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
 # du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
 # grad_u and grad_b, each reading it
 FUSED_UB = True
 # grad_ub's column blocks per program on the GPU (source.UB_BLOCKS): a program of M blocks writes du's
 # partial sums once for its M x BN columns, 1/M of those of one block a program, and keeps M of
-# dB's accumulators. Not measured yet: 1 (one block a program, the tuned tile) until
-# `tune_lora.py --parts blocks` says otherwise. The interpreter's (CPU_UB_BLOCKS) is 2, so CI runs
-# the repeated code.
+# dB's accumulators. On the H200, 2026-12-04 (`tune_lora.py --parts blocks`, summed over the four
+# pairs): 1 block 461 us, 2 blocks 457 (within the noise), 4 blocks 552 (M accumulators and their
+# operand splits crowd the registers): one block a program, the tuned tile. The interpreter's
+# (CPU_UB_BLOCKS) is 2, so CI runs the repeated code.
 GPU_UB_BLOCKS = 1
 CPU_UB_BLOCKS = 2
 

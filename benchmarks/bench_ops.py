@@ -13,7 +13,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from benchlib import failed_kernels_note
+from benchlib import COPY_RATE, failed_kernels_note
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -91,7 +91,7 @@ def run(name, impls, inputs, truth_fn, floor_bytes):
 
         ms = do_bench(fb, warmup=25, rep=100, return_mode="median")
         rows[impl] = dict(fwd_bwd_ms=ms, err_out=err, err_grad=gerr)
-    return dict(name=name, floor_ms=floor_bytes / 4275e9 * 1e3, impls=rows)
+    return dict(name=name, floor_ms=floor_bytes / COPY_RATE * 1e3, impls=rows)
 
 
 def main():

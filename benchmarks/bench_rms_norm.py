@@ -14,7 +14,7 @@ import json
 import os
 
 import torch
-from benchlib import peak_above, profile_kernels
+from benchlib import COPY_RATE, peak_above, profile_kernels
 from triton.testing import do_bench
 
 from kernelgraft.gradcheck import rel_error
@@ -75,7 +75,7 @@ def measure(M, N, dtype=torch.bfloat16):
         )
         if name == "kernelgraft":
             rows[name]["kernels_us"] = kernel_times(fwd_bwd)
-    return dict(M=M, N=N, dtype=str(dtype), floor_ms=floor_bytes / 4275e9 * 1e3, impls=rows)
+    return dict(M=M, N=N, dtype=str(dtype), floor_ms=floor_bytes / COPY_RATE * 1e3, impls=rows)
 
 
 def kernel_times(fn, iters=20) -> dict:

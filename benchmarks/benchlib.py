@@ -6,6 +6,10 @@ import re
 
 import torch
 
+# the H200's measured device-to-device copy rate, bytes/s: a kernel's memory floor is the bytes it
+# must move at this rate
+COPY_RATE = 4275e9
+
 
 def failed_kernels_note(doc: dict) -> str:
     """The generated kernels that failed in this process, recorded in `doc` ("kernels_failed") and

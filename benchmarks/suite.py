@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # sibling modules, also when `kernelgraft bench` loads this file by its path
     sys.path.insert(0, HERE)
 from benchlib import (  # noqa: E402
+    COPY_RATE,
     failed_kernels_note,
     in_turns,
     names,
@@ -54,9 +55,6 @@ from benchlib import (  # noqa: E402
     saved_bytes,
     turn_order,
 )
-
-BW = 4275e9  # the H200's measured device-to-device copy rate, bytes/s: the memory floor
-
 
 # ---- spellings as transformers writes them ---------------------------------------------------------
 
@@ -252,7 +250,7 @@ def measure_pattern(name, fn, liger_name, make, floor_bytes):
     for impl, ms in loop_times(loops).items():
         rows[impl]["loop_ms"] = ms
     print(f"{name} loop ms: {[(k, round(v.get('loop_ms', 0), 3)) for k, v in rows.items()]}", flush=True)
-    return dict(name=name, floor_ms=floor_bytes / BW * 1e3, impls=rows)
+    return dict(name=name, floor_ms=floor_bytes / COPY_RATE * 1e3, impls=rows)
 
 
 def loop_times(loops: dict, rounds: int = 7, calls: int = 40, sync=None) -> dict:

@@ -31,7 +31,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from benchlib import failed_kernels_note
+from benchlib import COPY_RATE, failed_kernels_note
 
 from kernelgraft.gradcheck.rule import bound
 from kernelgraft.kernels.launching import cdiv
@@ -39,13 +39,12 @@ from kernelgraft.kernels.lora import kernel as K
 
 T, R, SCALE = 16384, 16, 2.0
 PAIRS = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]
-BW = 4275e9  # the H200's measured device-to-device copy rate, bytes/s
 
 
 def floor_us(kernel: str, pair: str) -> float:
-    """The least time `kernel` can take on one (width in -> width out) pair at the card's copy rate:
-    each tensor it must read or write moved once (x, the base output, the output and its gradient
-    in bf16; the adapters, u and du in float32), partial sums left out."""
+    """The least time `kernel` can take on one (width in -> width out) pair: each tensor it must
+    read or write moved once at COPY_RATE (x, the base output, the output and its gradient in bf16;
+    the adapters, u and du in float32), partial sums left out."""
     k, n = (int(v) for v in pair.split("->"))
     x, g, a, b, u = T * k * 2, T * n * 2, R * k * 4, n * R * 4, T * R * 4
     moved = {
@@ -57,7 +56,7 @@ def floor_us(kernel: str, pair: str) -> float:
         "grad_a": u + x + a,  # dA = du^T x
         "grad_x": u + a + x,  # dx = du A
     }
-    return moved[kernel.rstrip("0123456789")] / BW * 1e6
+    return moved[kernel.rstrip("0123456789")] / COPY_RATE * 1e6
 
 
 def spelling(x, res, A, B):

@@ -20,11 +20,10 @@ import json
 import os
 
 import torch
+from benchlib import COPY_RATE
 
 from kernelgraft.kernels.rows import build, launch, layout, tuning
 from kernelgraft.patterns import REGISTRY
-
-BW = 4275e9  # the H200's measured device-to-device copy rate, bytes/s
 
 
 def cases(quick: bool, dtype: torch.dtype = torch.bfloat16):
@@ -159,7 +158,7 @@ def run_case(name, sp, arg_sets, need, fwd_bytes, bwd_bytes, rounding="fused"):
         width=group.lay.N, sums_columns=bool(col_idx), reduces=bool(k.spec.reductions),
         default_warps=tuning.config(group.lay.M, group.lay.N, group.tensors[sp.tensor_names[0]].device,
                                     sums_columns=True, reduces=bool(k.spec.reductions))["num_warps"],
-        name=name, fwd_floor_ms=fwd_bytes / BW * 1e3, bwd_floor_ms=bwd_bytes / BW * 1e3,
+        name=name, fwd_floor_ms=fwd_bytes / COPY_RATE * 1e3, bwd_floor_ms=bwd_bytes / COPY_RATE * 1e3,
         default=rows["default"], best_fwd=(best_f, rows[best_f]), best_bwd=(best_b, rows[best_b]),
         bad=[k_ for k_, v in rows.items() if "error" not in v and not v["ok"]], trials=rows,
     )  # fmt: skip

@@ -363,14 +363,17 @@ def build(shape, mode):
 
 
 def apply_mode(model, mode: str):
-    """A built model as `mode` runs it: as is (eager), model.compile(), kernelgraft.optimize()
+    """A built model as `mode` runs it: as is (eager), model.compile() (also "... (reduce-overhead)",
+    "... (cpp wrapper)"), kernelgraft.optimize()
     ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
-    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... inference kernels" (row kernels in graphs without gradients too), "... no projections" (q/k/v and gate/up as separate matmuls), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
+    recompute", "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... inference kernels" (row kernels in graphs without gradients too), "... no projections" (q/k/v and gate/up as separate matmuls), "... python wrapper" (inductor's Python wrapper for every graph, decoding's too), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
         model.compile()
     elif mode == "torch.compile (reduce-overhead)":
         model.compile(mode="reduce-overhead")
+    elif mode == "torch.compile (cpp wrapper)":  # inductor's C++ wrapper for every graph
+        model.compile(options={"cpp_wrapper": True})
     elif mode.startswith("kernelgraft"):
         import kernelgraft
 
@@ -389,6 +392,7 @@ def apply_mode(model, mode: str):
             launch="host" if "host launch" in mode else "inductor",
             inference="kernels" if "inference kernels" in mode else "inductor",
             fuse_projections="no projections" not in mode,
+            wrapper="python" if "python wrapper" in mode else "auto",
             lm_head_accumulate=acc,
             **piece,
             recompute=False

@@ -17,6 +17,9 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 LAUNCHES = ("inductor", "host")  # who launches the kernels under inductor: its generated code, or ours
 # who serves the row sites (norms, RoPE, gated MLPs) of a graph captured without gradients under inductor
 INFERENCE = ("inductor", "kernels")
+# inductor's wrapper code, which launches a compiled graph's kernels on CUDA: "auto" (C++ for
+# the graphs of decoding steps, Python for the others), or Python for every graph
+WRAPPERS = ("auto", "python")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Options:
     # linear layers that read one input (q/k/v, gate/up) as one matmul where it pays
     # (rewriter/projections.py): training graphs under inductor, small matmuls
     fuse_projections: bool = True
+    wrapper: str = "auto"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -63,6 +67,8 @@ class Options:
             raise ValueError(f"kernelgraft: launch must be one of {LAUNCHES}, got {self.launch!r}")
         if self.inference not in INFERENCE:
             raise ValueError(f"kernelgraft: inference must be one of {INFERENCE}, got {self.inference!r}")
+        if self.wrapper not in WRAPPERS:
+            raise ValueError(f"kernelgraft: wrapper must be one of {WRAPPERS}, got {self.wrapper!r}")
         if not isinstance(self.recompute, bool) and self.recompute != "separate":
             raise ValueError(
                 f"kernelgraft: recompute must be True, False or 'separate', got {self.recompute!r}"
@@ -132,6 +138,20 @@ class Options:
         inductor fuses a norm with the residual add before it, RoPE with the KV cache's
         concatenation after it."""
         return not training and self.backend == "inductor" and self.inference == "inductor"
+
+    def cpp_wrapper(self, training: bool, cuda: bool, dynamic: bool, kernels: bool) -> bool:
+        """Whether inductor writes a graph's wrapper (the code that launches its kernels, once per
+        call) in C++ rather than Python ("auto"): on CUDA, outside CUDA graphs (which replay the
+        launches without any wrapper), for a graph without gradients, with dynamic sizes and none
+        of kernelgraft's kernels (`kernels`): the graph of generate()'s decoding steps, which
+        serves every token after the first few, its norms, RoPE and MLPs left to inductor. A token
+        is a few hundred small kernels, whose launches from Python take longer than the GPU runs
+        them. A C++ wrapper compiles for longer (a C++ compiler's run per graph), which such a
+        graph repays, and a graph of fixed sizes (the prompt's, run once per call) does not.
+        kernelgraft's own kernels stay with the Python wrapper, the one they are tested under."""
+        if self.backend != "inductor" or not cuda or self.cuda_graphs or self.wrapper != "auto":
+            return False
+        return not training and dynamic and not kernels
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)

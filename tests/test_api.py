@@ -84,6 +84,8 @@ def test_bad_arguments_are_explained():
         kernelgraft.optimize(lambda x: x)
     with pytest.raises(ValueError, match="backend must be one of"):
         kernelgraft.optimize(torch.nn.Linear(2, 2), backend="tensorrt")
+    with pytest.raises(ValueError, match=r"wrapper must be one of \('auto', 'python'\), got 'c\+\+'"):
+        kernelgraft.optimize(torch.nn.Linear(2, 2), wrapper="c++")
     with pytest.raises(ValueError, match="recompute must be True, False or 'separate', got 'fused'"):
         kernelgraft.optimize(torch.nn.Linear(2, 2), recompute="fused")
     for bad in (0, -5.0, "100", True):

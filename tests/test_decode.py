@@ -77,3 +77,63 @@ def test_under_inductor_a_graph_without_gradients_leaves_its_row_sites_to_induct
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()  # gradients on: another capture, kernels served
         assert report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1}
+
+
+def test_the_decoding_steps_graph_gets_the_cpp_wrapper_on_cuda_and_the_others_python():
+    """Inductor's C++ wrapper (its launches without Python) for a graph without gradients, with
+    dynamic sizes and none of kernelgraft's kernels, on CUDA outside CUDA graphs: the graph of
+    generate()'s decoding steps; Python's for every other graph, and for all with wrapper="python"."""
+    from kernelgraft import Options
+
+    auto = Options()
+    assert auto.cpp_wrapper(training=False, cuda=True, dynamic=True, kernels=False)  # decoding steps
+    assert not auto.cpp_wrapper(training=False, cuda=True, dynamic=False, kernels=False)  # a prompt's
+    assert not auto.cpp_wrapper(training=False, cuda=True, dynamic=True, kernels=True)  # inference="kernels"
+    assert not auto.cpp_wrapper(training=True, cuda=True, dynamic=True, kernels=False)
+    assert not auto.cpp_wrapper(training=False, cuda=False, dynamic=True, kernels=False)  # the CPU
+    assert not Options(mode="reduce-overhead").cpp_wrapper(False, True, True, False)  # replayed
+    assert not Options(wrapper="python").cpp_wrapper(False, True, True, False)
+    assert not Options(backend="eager").cpp_wrapper(False, True, True, False)
+
+
+def test_a_graph_that_calls_kernelgrafts_ops_is_told_from_one_that_does_not():
+    from kernelgraft.rewriter import backend
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", torch.float32)
+    gms = []
+    kernelgraft.optimize(model, backend="eager")
+    model._compiled_call_impl.args[0].grafter._lower = lambda gm, ex: gms.append(gm) or gm.forward
+    model(**{"input_ids": torch.randint(3, 128, (1, 8))})
+    stock = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    assert backend._has_kernels(gms[0]) and not backend._has_kernels(stock)
+
+
+def test_a_cpp_wrapper_that_fails_to_compile_is_compiled_again_with_python(monkeypatch):
+    """Where the C++ wrapper fails (no C++ compiler, say), the graph compiles with the Python
+    wrapper, said in a warning, and computes what the model computes."""
+    import torch._inductor.compile_fx as inductor_compile
+
+    from kernelgraft.rewriter import backend
+
+    real, asked = inductor_compile.compile_fx, []
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kw):
+        asked.append(bool((config_patches or {}).get("cpp_wrapper")))
+        if asked[-1]:
+            raise RuntimeError("no C++ compiler on this machine")
+        return real(gm, example_inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(inductor_compile, "compile_fx", compile_fx)
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)  # as a CUDA graph would be
+    monkeypatch.setattr(backend, "_dynamic", lambda example_inputs: True)  # and a decoding step's
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+    model = kernelgraft.optimize(torch.nn.Sequential(*[m for m in stock]))
+    x = torch.randn(3, 8)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="C\\+\\+ wrapper failed to compile this graph"):
+        got = model(x)
+    # asked once with the C++ wrapper, then with Python's (inductor's compile_fx calls itself again)
+    assert asked[0] and asked.count(True) == 1 and len(asked) >= 2
+    torch.testing.assert_close(got, stock(x).detach())

@@ -380,6 +380,51 @@ def test_generate_with_inductor_launches_gives_eager_tokens():
             assert (launched > 0) == (inference == "kernels"), (inference, model.kernelgraft_report)
 
 
+def _wrappers_asked(monkeypatch) -> list:
+    """Whether each of inductor's compile_fx calls from here on asked for the C++ wrapper."""
+    import torch._inductor.compile_fx as inductor_compile
+
+    real, asked = inductor_compile.compile_fx, []
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kw):
+        asked.append(bool((config_patches or {}).get("cpp_wrapper")))
+        return real(gm, example_inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(inductor_compile, "compile_fx", compile_fx)
+    return asked
+
+
+def test_generate_with_the_cpp_wrapper_gives_the_python_wrappers_logits(monkeypatch):
+    """Greedy decoding's graph of dynamic sizes (no gradients) compiles with inductor's C++
+    wrapper by default, without falling back to Python's, and gives eager's tokens and the Python
+    wrapper's logits, bit for bit (the same kernels, launched from C++)."""
+    import warnings
+
+    stock = tiny_model("llama", torch.float32, device="cuda").eval()
+    ids = torch.randint(3, 128, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kw = dict(
+        max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    got = {}
+    with torch.no_grad():
+        want = stock.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        for wrapper in ("python", "auto"):
+            torch._dynamo.reset()
+            asked = _wrappers_asked(monkeypatch)
+            model = kernelgraft.optimize(copy.deepcopy(stock), wrapper=wrapper)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got[wrapper] = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            assert not [w for w in caught if "wrapper failed" in str(w.message)], wrapper
+            # "auto": the decoding steps' graph of dynamic sizes (the prompt's and the first step's
+            # are fixed-size graphs, Python's)
+            assert any(asked) == (wrapper == "auto") and not asked[0], (wrapper, asked)
+            assert torch.equal(got[wrapper].sequences, want.sequences), wrapper
+    for a, b in zip(got["python"].logits, got["auto"].logits, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_small_models_step_reads_nothing_on_the_host():
     """Default mode, a small head (op.defers): after the first step, forward and backward run with
     CUDA's sync debug mode set to raise on any host read of a device value."""

@@ -36,6 +36,7 @@ def optimize(
     launch: str = Options.launch,
     inference: str = Options.inference,
     fuse_projections: bool = Options.fuse_projections,
+    wrapper: str = Options.wrapper,
 ):
     """Compile `model` in place with the kernelgraft backend and return the same object. The
     options are kernelgraft.Options' (validated there, with their defaults).
@@ -91,6 +92,15 @@ def optimize(
     run as one matmul on their stacked weights, where that matmul is small enough (at most 1e11
     flops) that its launches, not its work, set the pace: a 135M model's step, not a 1B one's
     (the rewriter's projections.py). The stacked weights are made again in the backward, not kept.
+    `wrapper` (inductor backend, CUDA, outside CUDA graphs): the language of the code inductor
+    writes to launch a graph's kernels, once per call: "auto" (default) C++ for the graph of
+    `generate()`'s decoding steps (no gradients, dynamic sizes, its norms, RoPE and MLPs left to
+    inductor: a token is a few hundred small kernels, their launches from Python slower than the
+    GPU runs them) and Python for the others (training steps, the prompt's graph, graphs that run
+    kernelgraft's kernels); "python" for every graph. The C++ wrapper needs a C++ compiler and
+    compiles for longer (a 1B model's first `generate()` took 1.9x torch.compile's on an H200
+    host); where it fails to compile, the graph is compiled again with the Python wrapper, said
+    in a warning.
 
     >>> import torch, kernelgraft
     >>> m = torch.nn.Linear(4, 4)
@@ -112,6 +122,7 @@ def optimize(
         launch=launch,
         inference=inference,
         fuse_projections=fuse_projections,
+        wrapper=wrapper,
     )
     grafter = Grafter(patterns=patterns, options=options, heads=output_heads(model))
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")

@@ -161,6 +161,23 @@ class Grafter:
 
             extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
             lowering.keep_static_launches()
+        training = self.training if self.training is not None else torch.is_grad_enabled()
+        if not o.cpp_wrapper(training, _on_cuda(example_inputs), _dynamic(example_inputs), _has_kernels(gm)):
+            with lowering.tangents_laid_out_as_outputs():
+                return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
+        counted = Counter(self.report.launched_by)
+        try:
+            with lowering.tangents_laid_out_as_outputs():
+                return compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, or a graph the C++ wrapper cannot take
+            why = f"{type(e).__name__}: {e}"[:300]
+            self.report.launched_by.clear()
+            self.report.launched_by.update(counted)  # the failed attempt's counts are void
+            warn_once(
+                ("cpp wrapper failed", why),
+                f"kernelgraft: inductor's C++ wrapper failed to compile this graph ({why}). Compiled "
+                "again with its Python wrapper (slower on the host; wrapper='python' skips the attempt).",
+            )
         with lowering.tangents_laid_out_as_outputs():
             return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
 
@@ -207,6 +224,25 @@ class MaskChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback(args)
         return self.fallback(*args)
+
+
+def _on_cuda(example_inputs) -> bool:
+    """Whether a graph's tensor inputs are on a CUDA device."""
+    return any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in example_inputs)
+
+
+def _dynamic(example_inputs) -> bool:
+    """Whether a graph was captured with dynamic sizes (dynamo passes them as symbolic ints)."""
+    return any(
+        isinstance(a, torch.SymInt)
+        or (isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape))
+        for a in example_inputs
+    )
+
+
+def _has_kernels(gm: torch.fx.GraphModule) -> bool:
+    """Whether the grafted graph calls any of kernelgraft's ops."""
+    return any(n.op == "call_function" and str(n.target).startswith("kernelgraft.") for n in gm.graph.nodes)
 
 
 def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -90,6 +90,7 @@ def test_suite_modes_pass_their_options_to_optimize(monkeypatch):
         "kernelgraft (inductor, ddp pieces at buckets)",
         "kernelgraft (eager, separate recompute)",
         "kernelgraft (inductor, bf16 dW, no recompute)",
+        "kernelgraft (inductor) python wrapper",
     ):
         assert suite.apply_mode(m, mode) is m
     assert [k.get("ddp_piece_mb", "default") for k in got] == [
@@ -99,10 +100,16 @@ def test_suite_modes_pass_their_options_to_optimize(monkeypatch):
         None,
         "default",
         "default",
+        "default",
     ]
-    assert [k["recompute"] for k in got] == [True, True, True, True, "separate", False]
-    assert [k["backend"] for k in got] == ["inductor"] * 4 + ["eager", "inductor"]
-    assert [k["lm_head_accumulate"] for k in got] == ["auto"] * 5 + ["weight"]
+    assert [k["recompute"] for k in got] == [True, True, True, True, "separate", False, True]
+    assert [k["backend"] for k in got] == ["inductor"] * 4 + ["eager", "inductor", "inductor"]
+    assert [k["lm_head_accumulate"] for k in got] == ["auto"] * 5 + ["weight", "auto"]
+    assert [k["wrapper"] for k in got] == ["auto"] * 6 + ["python"]
+    compiled = []
+    monkeypatch.setattr(torch.nn.Linear, "compile", lambda self, **kw: compiled.append(kw))
+    suite.apply_mode(m, "torch.compile (cpp wrapper)")
+    assert compiled == [{"options": {"cpp_wrapper": True}}]
 
 
 def test_suite_step_table_says_when_the_kv_cache_was_off():

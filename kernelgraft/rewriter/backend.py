@@ -162,22 +162,20 @@ class Grafter:
             extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
             lowering.keep_static_launches()
         training = self.training if self.training is not None else torch.is_grad_enabled()
-        if not o.cpp_wrapper(training, _on_cuda(example_inputs), _dynamic(example_inputs), _has_kernels(gm)):
-            with lowering.tangents_laid_out_as_outputs():
-                return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
-        counted = Counter(self.report.launched_by)
-        try:
-            with lowering.tangents_laid_out_as_outputs():
-                return compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
-        except Exception as e:  # noqa: BLE001 - no C++ compiler, or a graph the C++ wrapper cannot take
-            why = f"{type(e).__name__}: {e}"[:300]
-            self.report.launched_by.clear()
-            self.report.launched_by.update(counted)  # the failed attempt's counts are void
-            warn_once(
-                ("cpp wrapper failed", why),
-                f"kernelgraft: inductor's C++ wrapper failed to compile this graph ({why}). Compiled "
-                "again with its Python wrapper (slower on the host; wrapper='python' skips the attempt).",
-            )
+        if o.cpp_wrapper(training, _on_cuda(example_inputs), _dynamic(example_inputs), _has_kernels(gm)):
+            counted = Counter(self.report.launched_by)
+            try:
+                with lowering.tangents_laid_out_as_outputs():
+                    return compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
+            except Exception as e:  # noqa: BLE001 - no C++ compiler, or a graph the C++ wrapper cannot take
+                why = f"{type(e).__name__}: {e}"[:300]
+                self.report.launched_by.clear()
+                self.report.launched_by.update(counted)  # the failed attempt's counts are void
+                warn_once(
+                    ("cpp wrapper failed", why),
+                    f"kernelgraft: inductor's C++ wrapper failed to compile this graph ({why}). Compiled "
+                    "again with its Python wrapper (slower on the host; wrapper='python' skips the attempt).",
+                )
         with lowering.tangents_laid_out_as_outputs():
             return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
 
@@ -232,7 +230,8 @@ def _on_cuda(example_inputs) -> bool:
 
 
 def _dynamic(example_inputs) -> bool:
-    """Whether a graph was captured with dynamic sizes (dynamo passes them as symbolic ints)."""
+    """Whether a graph was captured with dynamic sizes (symbolic ints among its inputs or in its
+    inputs' shapes)."""
     return any(
         isinstance(a, torch.SymInt)
         or (isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape))

@@ -137,3 +137,31 @@ def test_a_cpp_wrapper_that_fails_to_compile_is_compiled_again_with_python(monke
     # asked once with the C++ wrapper, then with Python's (inductor's compile_fx calls itself again)
     assert asked[0] and asked.count(True) == 1 and len(asked) >= 2
     torch.testing.assert_close(got, stock(x).detach())
+    report = model.kernelgraft_report
+    assert report.wrappers == {"Python (the C++ wrapper failed to compile)": 1}
+    assert "1 Python (the C++ wrapper failed to compile)" in str(report)
+
+
+def test_the_report_counts_the_graphs_by_their_wrapper(monkeypatch):
+    """report.wrappers: a graph that gets the C++ wrapper is counted as C++, the others as Python."""
+    import torch._inductor.compile_fx as inductor_compile
+
+    from kernelgraft.rewriter import backend
+
+    real = inductor_compile.compile_fx
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kw):
+        if (config_patches or {}).get("cpp_wrapper"):
+            return gm.forward  # as a C++ wrapper's compile would return a callable
+        return real(gm, example_inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(inductor_compile, "compile_fx", compile_fx)
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
+    torch._dynamo.reset()
+    model = kernelgraft.optimize(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.SiLU()))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        model(x)  # fixed sizes: Python
+        model(torch.randn(5, 8))  # a second size: dynamo compiles with dynamic sizes, C++
+    assert model.kernelgraft_report.wrappers == {"Python": 1, "C++": 1}
+    assert "1 C++, 1 Python" in str(model.kernelgraft_report)

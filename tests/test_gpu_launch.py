@@ -420,6 +420,7 @@ def test_generate_with_the_cpp_wrapper_gives_the_python_wrappers_logits(monkeypa
             # "auto": the decoding steps' graph of dynamic sizes (the prompt's and the first step's
             # are fixed-size graphs, Python's)
             assert any(asked) == (wrapper == "auto") and not asked[0], (wrapper, asked)
+            assert (model.kernelgraft_report.wrappers["C++"] > 0) == (wrapper == "auto"), wrapper
             assert torch.equal(got[wrapper].sequences, want.sequences), wrapper
     for a, b in zip(got["python"].logits, got["auto"].logits, strict=True):
         assert torch.equal(a, b)

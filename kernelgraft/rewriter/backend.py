@@ -162,11 +162,14 @@ class Grafter:
             extra["inner_compile"] = lowering.memoizing_inner_compile(compile_fx_inner)
             lowering.keep_static_launches()
         training = self.training if self.training is not None else torch.is_grad_enabled()
+        wrapper = "Python"
         if o.cpp_wrapper(training, _on_cuda(example_inputs), _dynamic(example_inputs), _has_kernels(gm)):
             counted = Counter(self.report.launched_by)
             try:
                 with lowering.tangents_laid_out_as_outputs():
-                    return compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
+                    compiled = compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
+                self.report.wrappers["C++"] += 1
+                return compiled
             except Exception as e:  # noqa: BLE001 - no C++ compiler, or a graph the C++ wrapper cannot take
                 why = f"{type(e).__name__}: {e}"[:300]
                 self.report.launched_by.clear()
@@ -176,8 +179,11 @@ class Grafter:
                     f"kernelgraft: inductor's C++ wrapper failed to compile this graph ({why}). Compiled "
                     "again with its Python wrapper (slower on the host; wrapper='python' skips the attempt).",
                 )
+                wrapper = "Python (the C++ wrapper failed to compile)"
         with lowering.tangents_laid_out_as_outputs():
-            return compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
+            compiled = compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
+        self.report.wrappers[wrapper] += 1
+        return compiled
 
     def _fallback(self, stock: torch.fx.GraphModule, args):
         """The graph with its masks as written (those proven on the graph still rewritten), lowered

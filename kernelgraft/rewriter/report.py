@@ -155,6 +155,9 @@ class RewriteReport:
     # kernel op calls in inductor's compiled graphs (rewriter/lowering.py): "inductor" for those its
     # generated code launches, "host: <why>" for those left to the Python launcher
     launched_by: Counter = field(default_factory=Counter, repr=False, compare=False)
+    # graphs inductor compiled, by the language of the wrapper that launches their kernels
+    # (Options.cpp_wrapper): "C++", "Python", or Python after the C++ wrapper failed to compile
+    wrappers: Counter = field(default_factory=Counter, repr=False, compare=False)
     hooks_seen_at: int = field(default=-1, repr=False, compare=False)  # graphs when hooks were last looked at
     # dynamo's graph breaks during explain's capture, by reason (graph_break_reasons): each piece
     # is captured and served on its own, and a site cut by a break is not seen whole
@@ -247,6 +250,11 @@ class RewriteReport:
             out.append(
                 "kernel calls in compiled graphs: "
                 + ", ".join(f"{v} launched by {k}" for k, v in sorted(self.launched_by.items()))
+            )
+        if self.wrappers:
+            out.append(
+                "graphs compiled by inductor, by the wrapper that launches their kernels: "
+                + ", ".join(f"{v} {k}" for k, v in sorted(self.wrappers.items()))
             )
         if self.projections:
             fused = [r for r in self.projections if r.served]

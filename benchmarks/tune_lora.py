@@ -16,18 +16,25 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
               at (GPU_FILL; 0: u or du not split) of 0/1/2/4/8
     blocks    grad_ub with 1, 2 and 4 column blocks a program (source.UB_BLOCKS; kernel.py
               GPU_UB_BLOCKS), du's partial sums added as the backward adds them
+    hard      tile candidates whose tensor-core products sum over 16 rows or columns at a time
+              instead of 64 (a tensor core adding into a running sum rounds coarser than float32),
+              each judged by the accuracy rule on cases the thorough profile drew (HARD) and timed
+              as the backward of the four pairs
 
-    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills,blocks] [--kernels K1,K2]
+    python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills,blocks,hard] [--kernels K1,K2]
         -> DIR/tune_lora.json, DIR/tune_lora.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import itertools
 import json
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +155,76 @@ def accuracy() -> list[dict]:
         e = {m: err(v[i], truth[i]) for m, v in got.items()}
         rows.append(dict(what=what, **e, ok=e["kernelgraft"] <= bound(e["eager"], e["compile"])))
     return rows
+
+
+# cases drawn by the thorough profile that a build failed: (rows, width, dtype, values, seed) of
+# the `lora.peft` spelling's example (the first: dA 8.1e-7 against a bound of 4.82e-7 on an H200)
+HARD = [(38, 65536, torch.bfloat16, "constant_rows", 38)]
+# tile candidates: kernel -> (rows, columns, warps) and grad_ub's column blocks a program. dA's dot
+# sums over a tile's rows, du's over its columns: 16 at a time, each such product from zero and
+# the products added in float32 (du: the blocks of one program; its partial sums still per 64)
+CANDIDATES = {
+    "the table's": ({}, None),
+    "dA over 16 rows a dot": ({"grad_a": (16, 128, 4)}, None),
+    "du over 16 columns a dot": ({"grad_ub": (64, 16, 4)}, 4),
+    "both": ({"grad_a": (16, 128, 4), "grad_ub": (64, 16, 4)}, 4),
+}
+
+
+@contextlib.contextmanager
+def _tiles_set(tiles: dict, ub_blocks: int | None):
+    """GPU_TILES and GPU_UB_BLOCKS set as a candidate says, restored after the block."""
+    was = dict(K.GPU_TILES), K.GPU_UB_BLOCKS
+    K.GPU_TILES.update(tiles)
+    K.GPU_UB_BLOCKS = was[1] if ub_blocks is None else ub_blocks
+    try:
+        yield
+    finally:
+        K.GPU_TILES.clear()
+        K.GPU_TILES.update(was[0])
+        K.GPU_UB_BLOCKS = was[1]
+
+
+def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
+    """Each candidate: the rule's verdicts on the hard cases and the backward's ms summed over the
+    pairs (`triton.testing.do_bench`; on the CPU one call's, the interpreter's)."""
+    import triton
+
+    from kernelgraft.gradcheck.spelling import check_spelling
+    from kernelgraft.gradcheck.strategies import _values, on_device
+    from kernelgraft.patterns import REGISTRY
+
+    peft = next(s for s in REGISTRY.spellings() if s.qualname == "lora.peft")
+    out = {}
+    for name, (tiles, ub_blocks) in CANDIDATES.items():
+        verdicts, ms = [], 0.0
+        for r, n, dtype, values, seed in cases or HARD:
+            args = on_device(_values(peft.example_args(r, n, dtype, seed), values), dev)
+            try:  # a candidate that fails (a launch Triton refuses, a kernel that fell back) is said
+                with _tiles_set(tiles, ub_blocks):
+                    failed = [str(v) for v in check_spelling(peft, args, compile_ref=False) if not v.ok]
+            except Exception as e:  # noqa: BLE001
+                failed = [f"error: {type(e).__name__}: {e}"[:300]]
+            verdicts.append(dict(case=f"{r} x {n} {str(dtype)[6:]} {values}", failed=failed))
+        for k, n in pairs or PAIRS:
+            t = tensors(rows, k, n, dev=dev)
+            _, u = K.forward(t["x"], t["res"], t["A"], t["B"], SCALE)
+            bwd = functools.partial(K.backward, t["g"], t["x"], t["A"], t["B"], u, SCALE, (True, True, True))
+            try:
+                with _tiles_set(tiles, ub_blocks):
+                    ms += triton.testing.do_bench(bwd) if dev == "cuda" else _once(bwd)
+            except Exception:  # noqa: BLE001
+                ms = float("nan")
+        out[name] = dict(cases=verdicts, backward_ms=ms)
+        print(name, out[name], flush=True)
+    return out
+
+
+def _once(fn) -> float:
+    """ms of one call."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 STAGES_DEFAULT = 3  # Triton's num_stages on CUDA where none is given
@@ -365,6 +442,14 @@ def markdown(res: dict) -> str:
             us = [by[p] * 1e3 for p in pairs]
             lines.append(f"| {m} | " + " | ".join(f"{v:.0f}" for v in us) + f" | {sum(us):.0f} |")
         lines.append("")
+    if "hard" in res:
+        lines += ["**tile candidates on the hard cases: the rule, and the backward's ms over the pairs**", ""]
+        lines += ["| candidate | backward ms | case | rule |", "|---|---|---|---|"]
+        for name, r in res["hard"].items():
+            for c in r["cases"]:
+                verdict = "ok" if not c["failed"] else "FAIL: " + "; ".join(c["failed"])
+                lines.append(f"| {name} | {r['backward_ms']:.3f} | {c['case']} | {verdict} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -386,7 +471,7 @@ def main():
     for part in a.parts.split(","):  # written after each part: a run cut short keeps what it measured
         run = {
             "ops": ops, "accuracy": accuracy, "tiles": lambda: tiles(only), "fills": lambda: fills(only),
-            "blocks": blocks,
+            "blocks": blocks, "hard": hard,
         }  # fmt: skip
         res[part] = run[part]()
         failed = failed_kernels_note(res)

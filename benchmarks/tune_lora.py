@@ -192,11 +192,15 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
 
     from kernelgraft.gradcheck.spelling import check_spelling
     from kernelgraft.gradcheck.strategies import _values, on_device
+    from kernelgraft.kernels import fallback
     from kernelgraft.patterns import REGISTRY
 
     peft = next(s for s in REGISTRY.spellings() if s.qualname == "lora.peft")
     out = {}
     for name, (tiles, ub_blocks) in CANDIDATES.items():
+        # each candidate afresh: a kernel that failed under another's tiles is tried again (its
+        # failure is in that candidate's verdicts)
+        fallback.forget_failures()
         verdicts, ms = [], 0.0
         for r, n, dtype, values, seed in cases or HARD:
             args = on_device(_values(peft.example_args(r, n, dtype, seed), values), dev)

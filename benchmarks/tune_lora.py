@@ -118,24 +118,31 @@ def _fwd_bwd_ms(t: dict, compiled) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _set(module, **values):
+    """module's attributes set to `values` inside the block, restored after it."""
+    was = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in was.items():
+            setattr(module, k, v)
+
+
 def _long_sums_f32(fn):
     """fn() with the blocks' sums over a long width (u, du) added in float32 instead of float64."""
     from kernelgraft.kernels.lora import source
 
-    source.LONG_SUMS = "float32"
-    try:
+    with _set(source, LONG_SUMS="float32"):
         return fn()
-    finally:
-        source.LONG_SUMS = "float64"
 
 
 def _unfused(fn):
     """fn() with grad_u and grad_b launched apart (each reading the output's gradient)."""
-    K.FUSED_UB = False
-    try:
+    with _set(K, FUSED_UB=False):
         return fn()
-    finally:
-        K.FUSED_UB = True
 
 
 def accuracy() -> list[dict]:
@@ -171,18 +178,9 @@ CANDIDATES = {
 }
 
 
-@contextlib.contextmanager
 def _tiles_set(tiles: dict, ub_blocks: int | None):
-    """GPU_TILES and GPU_UB_BLOCKS set as a candidate says, restored after the block."""
-    was = dict(K.GPU_TILES), K.GPU_UB_BLOCKS
-    K.GPU_TILES.update(tiles)
-    K.GPU_UB_BLOCKS = was[1] if ub_blocks is None else ub_blocks
-    try:
-        yield
-    finally:
-        K.GPU_TILES.clear()
-        K.GPU_TILES.update(was[0])
-        K.GPU_UB_BLOCKS = was[1]
+    """GPU_TILES and GPU_UB_BLOCKS as a candidate sets them, inside the block."""
+    return _set(K, GPU_TILES={**K.GPU_TILES, **tiles}, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS)
 
 
 def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:

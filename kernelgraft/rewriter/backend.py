@@ -117,16 +117,13 @@ class Grafter:
             try:
                 return self._inductor(gm, example_inputs, launch=True)
             except Exception as e:  # noqa: BLE001 - compiled again with the kernels launched from the host
-                why = f"{type(e).__name__}: {e}"[:300]
-                self.report.launched_by.clear()
-                self.report.launched_by.update(counted)  # the failed attempt's counts are void
-                warn_once(
-                    ("inductor launches failed", why),
+                self._attempt_failed(
+                    counted, e, "inductor launches failed",
                     "kernelgraft: inductor could not compile this graph with kernelgraft's kernels launched "
-                    f"by its own code ({why}). Compiled again with them launched from kernelgraft's Python "
+                    "by its own code ({why}). Compiled again with them launched from kernelgraft's Python "
                     "launcher (slower on the host; a kernel that fails there falls back to the stock code). "
                     "If this compile fails too, the error is inductor's, not the kernels'.",
-                )
+                )  # fmt: skip
                 return self._inductor(gm, example_inputs, launch=False, because="inductor's launches failed to compile")
         if not self.dry_run:  # run as it is: the kernels called without the dispatcher's per-call work
             lowering.eager_calls(gm)
@@ -171,19 +168,24 @@ class Grafter:
                 self.report.wrappers["C++"] += 1
                 return compiled
             except Exception as e:  # noqa: BLE001 - no C++ compiler, or a graph the C++ wrapper cannot take
-                why = f"{type(e).__name__}: {e}"[:300]
-                self.report.launched_by.clear()
-                self.report.launched_by.update(counted)  # the failed attempt's counts are void
-                warn_once(
-                    ("cpp wrapper failed", why),
-                    f"kernelgraft: inductor's C++ wrapper failed to compile this graph ({why}). Compiled "
+                self._attempt_failed(
+                    counted, e, "cpp wrapper failed",
+                    "kernelgraft: inductor's C++ wrapper failed to compile this graph ({why}). Compiled "
                     "again with its Python wrapper (slower on the host; wrapper='python' skips the attempt).",
-                )
+                )  # fmt: skip
                 wrapper = "Python (the C++ wrapper failed to compile)"
         with lowering.tangents_laid_out_as_outputs():
             compiled = compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
         self.report.wrappers[wrapper] += 1
         return compiled
+
+    def _attempt_failed(self, counted: Counter, e: Exception, key: str, message: str) -> None:
+        """A compile attempt that raised `e`: the launches it counted are void (the report's counts
+        go back to `counted`), and `message` (its {why} filled in) is said once per reason."""
+        why = f"{type(e).__name__}: {e}"[:300]
+        self.report.launched_by.clear()
+        self.report.launched_by.update(counted)
+        warn_once((key, why), message.format(why=why))
 
     def _fallback(self, stock: torch.fx.GraphModule, args):
         """The graph with its masks as written (those proven on the graph still rewritten), lowered

@@ -16,8 +16,8 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
               at (GPU_FILL; 0: u or du not split) of 0/1/2/4/8
     blocks    grad_ub with 1, 2 and 4 column blocks a program (source.UB_BLOCKS; kernel.py
               GPU_UB_BLOCKS), du's partial sums added as the backward adds them
-    hard      tile candidates whose tensor-core products sum over 16 rows or columns at a time
-              instead of 64 (a tensor core adding into a running sum rounds coarser than float32),
+    hard      du's products in float64 or in TF32 passes over 16 or 64 columns at a time (a tensor
+              core adding into a running sum rounds coarser than float32; source.DU_PRODUCTS),
               each judged by the accuracy rule on cases the thorough profile drew (HARD) and timed
               as the backward of the four pairs
 
@@ -43,6 +43,7 @@ from benchlib import COPY_RATE, failed_kernels_note
 from kernelgraft.gradcheck.rule import bound
 from kernelgraft.kernels.launching import cdiv
 from kernelgraft.kernels.lora import kernel as K
+from kernelgraft.kernels.lora import source
 
 T, R, SCALE = 16384, 16, 2.0
 PAIRS = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]
@@ -133,8 +134,6 @@ def _set(module, **values):
 
 def _long_sums_f32(fn):
     """fn() with the blocks' sums over a long width (u, du) added in float32 instead of float64."""
-    from kernelgraft.kernels.lora import source
-
     with _set(source, LONG_SUMS="float32"):
         return fn()
 
@@ -165,22 +164,26 @@ def accuracy() -> list[dict]:
 
 
 # cases drawn by the thorough profile that a build failed: (rows, width, dtype, values, seed) of
-# the `lora.peft` spelling's example (the first: dA 8.1e-7 against a bound of 4.82e-7 on an H200)
-HARD = [(38, 65536, torch.bfloat16, "constant_rows", 38)]
-# tile candidates: kernel -> (rows, columns, warps) and grad_ub's column blocks a program. dA's dot
-# sums over a tile's rows, du's over its columns: 16 at a time, each such product from zero and
-# the products added in float32 (du: the blocks of one program; its partial sums still per 64)
+# the `lora.peft` spelling's example (on an H200, dA against the rule's bound: 8.1e-7 against
+# 4.82e-7 with du's products 64 columns wide, then 3.3e-6 against 8.6e-7 with 16)
+HARD = [(38, 65536, torch.bfloat16, "constant_rows", 38), (4, 65536, torch.float16, "constant_rows", 29130)]
+# candidates: kernel -> (rows, columns, warps), grad_ub's column blocks a program, and how du's
+# products are taken (source.DU_PRODUCTS: float64, or two TF32 passes) over how many columns each
+# (source.DU_COLUMNS; 0: one per block of 64). dA's dot sums over a tile's rows
 CANDIDATES = {
-    "the table's": ({}, None),
-    "dA over 16 rows a dot": ({"grad_a": (16, 128, 4)}, None),
-    "du over 16 columns a dot": ({"grad_ub": (64, 16, 4)}, 4),
-    "both": ({"grad_a": (16, 128, 4), "grad_ub": (64, 16, 4)}, 4),
+    "the table's (du in TF32 passes, 16 columns a product)": ({}, None, (16, "tf32x2")),
+    "du in float64": ({}, None, (16, "float64")),
+    "du in TF32 passes, 64 columns a product": ({}, None, (0, "tf32x2")),
+    "the same, dA over 16 rows a dot": ({"grad_a": (16, 128, 4)}, None, (0, "tf32x2")),
 }
 
 
-def _tiles_set(tiles: dict, ub_blocks: int | None):
-    """GPU_TILES and GPU_UB_BLOCKS as a candidate sets them, inside the block."""
-    return _set(K, GPU_TILES={**K.GPU_TILES, **tiles}, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS)
+def _candidate_set(tiles: dict, ub_blocks: int | None, du: tuple):
+    """GPU_TILES, GPU_UB_BLOCKS, DU_COLUMNS and DU_PRODUCTS as a candidate sets them, inside the block."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(_set(K, GPU_TILES={**K.GPU_TILES, **tiles}, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS))
+    stack.enter_context(_set(source, DU_COLUMNS=du[0], DU_PRODUCTS=du[1]))
+    return stack
 
 
 def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
@@ -195,7 +198,7 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
 
     peft = next(s for s in REGISTRY.spellings() if s.qualname == "lora.peft")
     out = {}
-    for name, (tiles, ub_blocks) in CANDIDATES.items():
+    for name, (tiles, ub_blocks, du) in CANDIDATES.items():
         # each candidate afresh: a kernel that failed under another's tiles is tried again (its
         # failure is in that candidate's verdicts)
         fallback.forget_failures()
@@ -203,7 +206,7 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
         for r, n, dtype, values, seed in cases or HARD:
             args = on_device(_values(peft.example_args(r, n, dtype, seed), values), dev)
             try:  # a candidate that fails (a launch Triton refuses, a kernel that fell back) is said
-                with _tiles_set(tiles, ub_blocks):
+                with _candidate_set(tiles, ub_blocks, du):
                     failed = [str(v) for v in check_spelling(peft, args, compile_ref=False) if not v.ok]
             except Exception as e:  # noqa: BLE001
                 failed = [f"error: {type(e).__name__}: {e}"[:300]]
@@ -213,7 +216,7 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
             _, u = K.forward(t["x"], t["res"], t["A"], t["B"], SCALE)
             bwd = functools.partial(K.backward, t["g"], t["x"], t["A"], t["B"], u, SCALE, (True, True, True))
             try:
-                with _tiles_set(tiles, ub_blocks):
+                with _candidate_set(tiles, ub_blocks, du):
                     ms += triton.testing.do_bench(bwd) if dev == "cuda" else _once(bwd)
             except Exception:  # noqa: BLE001
                 ms = float("nan")
@@ -305,6 +308,7 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None, ub
     out, dx = torch.empty_like(base), torch.empty_like(x)
     u, du = torch.randn(T, R, device=dev), torch.randn(T, R, device=dev)
     fill = dict(K.GPU_FILL, **(fills or {}))
+    gw, sgw = K._words(g, torch.bfloat16, torch.float32)  # g as du's kernels read it
 
     def cfg(kn):
         bt, bn, w, st = table_tile(kn) if BT is None else (BT, BN, warps, stages)
@@ -318,12 +322,12 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None, ub
         ns, cols = K._splits(n, cdiv(T, bt), bn, dev, fill["grad_u"]) if fill["grad_u"] else (1, n)
         if ns == 1:
             kern("grad_u")[(cdiv(T, bt), 1)](
-                g, B, du, SCALE, T, n, R, n, R, R, n, BT=bt, BN=bn, SPLIT=False, **m
+                g, gw, B, du, SCALE, T, n, R, n, sgw, R, R, n, BT=bt, BN=bn, SPLIT=False, **m
             )
             return
         part = torch.empty((ns, T, R), dtype=torch.float64, device=dev)
         kern("grad_u")[(cdiv(T, bt), ns)](
-            g, B, part, SCALE, T, n, R, n, R, R, cols, BT=bt, BN=bn, SPLIT=True, **m
+            g, gw, B, part, SCALE, T, n, R, n, sgw, R, R, cols, BT=bt, BN=bn, SPLIT=True, **m
         )
         part.sum(0)
 
@@ -341,9 +345,10 @@ def _launches(t: dict, BT=None, BN=None, warps=None, stages=None, fills=None, ub
         bt, bn, m = cfg("grad_ub")
         C = cdiv(n, bn * ub_blocks)
         ns, rows = K._splits(T, C, bt, dev, fill["grad_ub"])
-        dupart, dbpart = torch.empty((C, T, R), device=dev), torch.empty((ns, n, R), device=dev)
+        dupart = torch.empty((C, T, R), dtype=torch.float64, device=dev)
+        dbpart = torch.empty((ns, n, R), device=dev)
         kern("grad_ub" if ub_blocks == 1 else f"grad_ub{ub_blocks}")[(C, ns)](
-            g, B, u, dupart, dbpart, SCALE, T, n, R, n, R, R, rows, BT=bt, BN=bn, **m
+            g, gw, B, u, dupart, dbpart, SCALE, T, n, R, n, sgw, R, R, rows, BT=bt, BN=bn, **m
         )
         dupart.sum(0), dbpart.sum(0)
 

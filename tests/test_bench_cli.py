@@ -125,26 +125,30 @@ def test_tune_lora_launches_every_kernel_with_the_arguments_of_the_backward():
 
 def test_tune_lora_judges_each_tile_candidate_on_the_hard_cases_and_restores_the_table():
     """--parts hard, run here by the interpreter on a small case: every candidate judged by the
-    rule and timed, its tiles set only while it runs, and the table's after."""
+    rule and timed, its tiles and du's product width set only while it runs, the table's after."""
     import sys
 
     sys.path.insert(0, "benchmarks")
     import tune_lora
 
-    table, blocks = dict(tune_lora.K.GPU_TILES), tune_lora.K.GPU_UB_BLOCKS
-    with tune_lora._tiles_set({"grad_a": (16, 128, 4)}, 4):
+    src = tune_lora.source
+    table, blocks, du = dict(tune_lora.K.GPU_TILES), tune_lora.K.GPU_UB_BLOCKS, (src.DU_COLUMNS, src.DU_PRODUCTS)
+    with tune_lora._candidate_set({"grad_a": (16, 128, 4)}, 4, (0, "tf32x2")):
         assert tune_lora.K.GPU_TILES["grad_a"] == (16, 128, 4) and tune_lora.K.GPU_UB_BLOCKS == 4
-    with pytest.raises(RuntimeError), tune_lora._tiles_set({"grad_ub": (64, 16, 4)}, 4):
+        assert (src.DU_COLUMNS, src.DU_PRODUCTS) == (0, "tf32x2")
+    with pytest.raises(RuntimeError), tune_lora._candidate_set({"grad_ub": (64, 16, 4)}, 4, (0, "tf32x2")):
         raise RuntimeError("a failed launch")
     assert tune_lora.K.GPU_TILES == table and tune_lora.K.GPU_UB_BLOCKS == blocks
+    assert (src.DU_COLUMNS, src.DU_PRODUCTS) == du == (16, "tf32x2")
     res = tune_lora.hard(dev="cpu", cases=[(12, 96, torch.bfloat16, "constant_rows", 1)], pairs=[(96, 72)], rows=40)
     assert list(res) == list(tune_lora.CANDIDATES)
     for r in res.values():
         assert r["cases"] == [dict(case="12 x 96 bfloat16 constant_rows", failed=[])] and r["backward_ms"] > 0
     assert tune_lora.K.GPU_TILES == table and tune_lora.K.GPU_UB_BLOCKS == blocks
+    assert (src.DU_COLUMNS, src.DU_PRODUCTS) == du
     md = tune_lora.markdown(dict(device="cpu", date="d", torch="t", hard=res))
     assert md.count("| 12 x 96 bfloat16 constant_rows | ok |") == len(tune_lora.CANDIDATES)
-    res["both"]["cases"][0]["failed"] = ["grad lora_a: ... FAIL"]
+    res["du in TF32 passes, 64 columns a product"]["cases"][0]["failed"] = ["grad lora_a: ... FAIL"]
     assert "| FAIL: grad lora_a: ... FAIL |" in tune_lora.markdown(dict(device="cpu", date="d", torch="t", hard=res))
 
 

@@ -131,15 +131,11 @@ def test_sums_over_65536_columns_pass_the_rule_on_a_gpu(sp, dtype, values):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: dA 8.1e-7 against a bound of 4.82e-7 (eager 5.1e-9) on an H200. The sums cancel "
-    "(du's terms are 150 times du, dA's 16 times dA); which of the kernel's sums loses the accuracy "
-    "is not yet measured (not the adding of du's column groups: in float64 instead, dA was the same)",
-)
 def test_du_summed_over_a_wide_cancelling_output_passes_the_rule_on_a_gpu():
     """A case the thorough profile drew on an H200: 38 constant rows of 65536, bf16 x, float32
-    adapters of rank 1, an output 32771 wide. Strict: when a change makes it pass, this says so."""
+    adapters of rank 1, an output 32771 wide; du's sum cancels (its terms are 150 times du). With
+    du's tensor-core products 64 columns wide dA was 8.1e-7 against the rule's bound of 4.82e-7
+    (eager 5.1e-9); 16 columns a product (source.DU_COLUMNS) is what passes it."""
     from kernelgraft.gradcheck.strategies import _values, on_device
 
     args = on_device(_values(PEFT.example_args(38, 65536, BF16, 38), "constant_rows"), "cuda")
@@ -252,6 +248,34 @@ def test_float32_x_and_adapters_take_float64_products_rounded_once():
     assert torch.equal(dB, ((g.double() * s).float().double().T @ u.double()).float())
     assert torch.equal(dA, (du.float().double().T @ x.double()).float())
     assert lk.sums_in_float64(F32, F32) and not lk.sums_in_float64(BF16, F32)
+
+
+@pytest.mark.parametrize("od", [BF16, F16], ids=str)
+@pytest.mark.parametrize("n,offset", [(96, 0), (97, 0), (96, 1)], ids=["even", "odd-width", "odd-address"])
+@pytest.mark.parametrize("fused", [True, False], ids=["with-dB", "du-alone"])
+def test_du_is_summed_in_float64_from_the_gradients_words(od, n, offset, fused, monkeypatch):
+    """DU_PRODUCTS = "float64", a bf16/fp16 output with float32 adapters: du's products and sums are
+    float64, from g read as
+    32-bit words (a copy one column wider where the width is odd or the rows' address is not a
+    word's), so du is g @ B * s in float64 rounded once to float32, bit for bit, both in the fused
+    du and dB kernel and alone (TF32 products of 16 columns, the table's, are several ulps off)."""
+    from kernelgraft.kernels.lora import kernel as lk
+
+    monkeypatch.setattr(lk.source, "DU_PRODUCTS", "float64")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=gen).to(od)
+    a, b = torch.randn(8, 64, generator=gen) / 8, torch.randn(n, 8, generator=gen) / 3
+    g = torch.randn(40, n + offset, generator=gen).to(od)[:, offset:]  # a view: odd address if offset
+    u = torch.randn(40, 8, generator=gen)
+    assert lk.source.du_words(od, F32, od) and not lk.source.du_words(F32, F32, od)
+    words, stride = lk._words(g, od, F32)
+    assert words.dtype == torch.int32 and (words.data_ptr() == g.data_ptr()) == (n % 2 == 0 and offset == 0)
+    launch = lk._Launches(x, a, od, g)
+    if fused:
+        du, _ = lk._grad_ub(launch, g, b, u, 2.0, 40, n, 8, od, F32)
+    else:
+        du = lk._grad_u(launch, g, b, 2.0, 40, n, 8, od, F32)
+    assert torch.equal(du, (g.double() @ b.double() * 2.0).float())
 
 
 def test_the_largest_rank_is_served_and_a_larger_one_refused():

@@ -34,6 +34,7 @@ import torch
 
 from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, tracing
 from ..rows import tuning as row_tuning
+from . import source
 from .source import UB_BLOCKS, kernel_name, kernel_source, kernels, precision, sums_in_float64  # noqa: F401
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
@@ -232,28 +233,44 @@ def _over_width(launch: _Launches, kernel: str, width: int, T: int, R: int, dtyp
     return part.sum(0).float().to(dtype)
 
 
-def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, dtype: torch.dtype) -> torch.Tensor:
+def _words(g2: torch.Tensor, xd: torch.dtype, ad: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(g's rows as 32-bit words, their stride) where du's kernels read g so (`source.du_words`):
+    a view of g where its width, strides and address allow, else a copy one zero column wider
+    (odd widths); (g, its stride) where they read g's own values."""
+    if not source.du_words(xd, ad, g2.dtype):
+        return g2, g2.stride(0)
+    if g2.shape[1] % 2 or g2.stride(0) % 2 or g2.stride(1) != 1 or g2.data_ptr() % 4:
+        g2 = torch.nn.functional.pad(g2, (0, g2.shape[1] % 2)).contiguous()
+    w = g2.view(torch.int32)
+    return w, w.stride(0)
+
+
+def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, xd, dtype: torch.dtype) -> torch.Tensor:
     """du = R_a(gv @ B) (T x R, the adapters' dtype)."""
+    gw, sgw = _words(g2, xd, dtype)
     return _over_width(
         launch, "grad_u", N, T, R, dtype,
-        lambda out, so, cols: (g2, Bc, out, s, T, N, R, g2.stride(0), Bc.stride(0), so, cols),
+        lambda out, so, cols: (g2, gw, Bc, out, s, T, N, R, g2.stride(0), sgw, Bc.stride(0), so, cols),
     )  # fmt: skip
 
 
-def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, ad: torch.dtype):
-    """(du, dB) from one read of g (T, N > 0): du's float32 sums per group of column blocks (a
-    program's, GPU_UB_BLOCKS) and dB's per split of the rows, each added in a fixed order and
-    rounded once, as the unfused kernels' split sums are (the same products; du's sums are split
-    by column groups instead of unsplit)."""
+def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, xd, ad: torch.dtype):
+    """(du, dB) from one read of g (T, N > 0): du's sums per group of column blocks (a program's,
+    GPU_UB_BLOCKS; in float64, as the unfused kernel's splits of the width: stored in float32 the
+    partial sums of an output 8192 wide left du 8x a float32 rounding's error where it cancels) and
+    dB's float32 sums per split of the rows, each added in a fixed order and rounded once (the
+    same products as the unfused kernels'; du's sums split by column groups instead of unsplit)."""
     BT, BN = launch.tile("grad_ub")
     M = GPU_UB_BLOCKS if launch.dev.type == "cuda" else CPU_UB_BLOCKS
     C = cdiv(N, BN * M)  # column groups: a program each per split of the rows
     n, rows = _splits(T, C, BT, launch.dev, GPU_FILL["grad_ub"])
-    dupart = torch.empty((C, T, R), dtype=launch.sums, device=launch.dev)
+    long_t = torch.float64 if source.LONG_SUMS == "float64" else launch.sums
+    gw, sgw = _words(g2, xd, ad)
+    dupart = torch.empty((C, T, R), dtype=long_t, device=launch.dev)
     dbpart = torch.empty((n, N, R), dtype=launch.sums, device=launch.dev)
     launch(
         "grad_ub" if M == 1 else f"grad_ub{M}", lambda bt, bc: (C, n),
-        g2, Bc, u, dupart, dbpart, s, T, N, R, g2.stride(0), Bc.stride(0), u.stride(0), rows,
+        g2, gw, Bc, u, dupart, dbpart, s, T, N, R, g2.stride(0), sgw, Bc.stride(0), u.stride(0), rows,
     )  # fmt: skip
     du = dupart.squeeze(0) if C == 1 else dupart.sum(0)
     dB = dbpart.squeeze(0) if n == 1 else dbpart.sum(0)
@@ -272,9 +289,9 @@ def backward(g, x, A, B, u, scaling: float, needs: tuple[bool, bool, bool]):
     dev = x.device
     dx = dA = dB = du = None
     if FUSED_UB and need_b and (need_x or need_a) and T and N:
-        du, dB = _grad_ub(launch, g2, Bc, u, s, T, N, R, A.dtype)
+        du, dB = _grad_ub(launch, g2, Bc, u, s, T, N, R, x.dtype, A.dtype)
     elif (need_x or need_a) and T:
-        du = _grad_u(launch, g2, Bc, s, T, N, R, A.dtype)
+        du = _grad_u(launch, g2, Bc, s, T, N, R, x.dtype, A.dtype)
     if need_b and dB is None:
         dB = launch.summed(
             "grad_b", (N, R), B.dtype, T, lambda bc: cdiv(N, bc),

@@ -65,6 +65,59 @@ def _dot_exact_b(a, b, acc):
 """
 
 
+# du's sums over BN columns from c (both du kernels call `_du`): in float64, from g read as 32-bit
+# words (`du_words`), two values each, the even and the odd columns. Triton refuses a float64
+# tl.dot whose operand was loaded in 2-byte values (its MMA layout follows the loaded width); a
+# word's halves are exact in float64, and times the scaling too (11 by 24 bits)
+_DU_WORDS = """@triton.jit
+def _du(g_ptr, gw_ptr, b_ptr, t, c, s, T, N, R, sg, sgw, sb, BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # du's sums (g @ B times s) over the BN columns from c, products and sums in float64
+    r = tl.arange(0, BR)
+    n = c + 2 * tl.arange(0, BN // 2)  # the even columns; the odd ones n + 1
+    w = tl.load(gw_ptr + t[:, None] * sgw + n[None, :] // 2, mask=(t[:, None] < T) & (n[None, :] < N), other=0)
+    be = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+    bo = tl.load(b_ptr + (n[:, None] + 1) * sb + r[None, :], mask=(n[:, None] + 1 < N) & (r[None, :] < R), other=0.0)
+    even = {half}(w).to(tl.float64) * s
+    odd = {half}(w >> 16).to(tl.float64) * s
+    return (tl.dot(even, be.to(tl.float64)) + tl.dot(odd, bo.to(tl.float64))).to({long_t})"""
+
+# ... or from g's 2-byte tiles, a tensor-core product each `cols` columns, each from zero
+_DU_TILES = """@triton.jit
+def _du(g_ptr, gw_ptr, b_ptr, t, c, s, T, N, R, sg, sgw, sb, BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    # du's sums (gv @ B) over the BN columns from c: one product per {cols} columns, each from
+    # zero, the products added in {long_t}
+    r = tl.arange(0, BR)
+    du = tl.full((BT, BR), 0.0, {long_t})
+    for q in tl.static_range(0, BN, {cols}):
+        n = c + q + tl.arange(0, {cols})
+        bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
+        du = {du_dot}
+    return du{scale}"""
+
+# the low half of a 32-bit word of two 2-byte values, in float32
+_HALF = {
+    torch.bfloat16: "_half_bf16",
+    torch.float16: "_half_f16",
+}
+_HALVES = """
+
+@triton.jit
+def _half_bf16(w):
+    return (w << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _half_f16(w):
+    return (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+"""
+
+
+def du_words(xd: torch.dtype, ad: torch.dtype, od: torch.dtype) -> bool:
+    """du's kernels read the output's gradient as 32-bit words (the float64 products, DU_PRODUCTS):
+    a gradient exact in TF32 (bf16/fp16) with float32 adapters, x not float32 (`sums_in_float64`)."""
+    return DU_PRODUCTS == "float64" and ad == torch.float32 and _exact_in_tf32(od) and xd != torch.float32
+
+
 def _exact_in_tf32(dtype: torch.dtype) -> bool:
     """A value of `dtype` is exact in one TF32 pass (8 or 11 significant bits of TF32's 11, fp16's
     exponents inside TF32's range)."""
@@ -78,6 +131,21 @@ def _exact_in_tf32(dtype: torch.dtype) -> bool:
 LONG_SUMS = "float64"
 
 
+# du = gv @ B sums over the output's width, and where that sum cancels dA, which sums du's rows,
+# inherits its error. On an H200 (2026-12-04, `tune_lora.py --parts hard`), with the output's
+# gradient exact in TF32 (bf16/fp16, float32 adapters) and B in two TF32 parts:
+#   - products of 64 columns: dA 8.1e-7 against the rule's bound of 4.8e-7 (eager's cuBLAS 5e-9) on
+#     38 constant rows, an output 32771 wide (a tensor core adding a product's terms rounds
+#     coarser than float32); products of 16 columns, each from zero, added in float32, pass it;
+#   - with the column groups' partial sums stored in float32, another case failed (4 rows, fp16:
+#     dA 3.3e-6 against 8.6e-7): the partial sums were 0.4x du there, and each one's float32
+#     rounding added up to several ulps of du. They are float64 now (kernel.py `_grad_ub`).
+# "tf32x2": those two passes, DU_COLUMNS columns a product (the thorough profile passes);
+# "float64": the products and sums in float64 from g's 32-bit words (DU_WORDS), du within half
+# a float32 ulp, but the LoRA backward 1.8x as long (2.35 against 1.29 ms over the four pairs)
+DU_PRODUCTS = "tf32x2"
+DU_COLUMNS = 16  # tl.dot's least; 0: one product per block of columns
+
 def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
     """x and the adapters both float32: no factor of the long products is exact in TF32, and
     tf32x3's three passes leave each product up to 2^-22 of itself off (4 float32 ulps), summed by a
@@ -89,7 +157,14 @@ def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
 
 
 def kernel_source(
-    name: str, xd: torch.dtype, ad: torch.dtype, od: torch.dtype, precision: str = "tf32x3", long_sums: str = "float64"
+    name: str,
+    xd: torch.dtype,
+    ad: torch.dtype,
+    od: torch.dtype,
+    precision: str = "tf32x3",
+    long_sums: str = "float64",
+    du_columns: int = DU_COLUMNS,
+    du_products: str = DU_PRODUCTS,
 ) -> str:
     pd = torch.promote_types(od, ad)
     head = emit.HEADER.format(
@@ -125,26 +200,30 @@ def kernel_source(
     down_dot = dot(xt_f, "at.to(tl.float32)", "a" if x_exact else None)
     grad_a_dot = dot("tl.trans(dut.to(tl.float32))", xt_f, "b" if x_exact else None)
     gu = "_g(g_ptr, t, n, T, N, sg)" if g_exact else "_gv(g_ptr, t, n, T, N, sg, s)"
-    grad_u_dot = dot(gu, "bt.to(tl.float32)", "a" if g_exact else None)
     grad_b_dot = dot(f"tl.trans({gu})", "ut.to(tl.float32)", "a" if g_exact else None)
-    # the fused du and dB: g's tile loaded once for both products; B's tile is the program's own,
-    # split once before the loop where g is exact; du's products of one tile start from zero
-    ub_b_dot = dot("tl.trans(gt)", "ut.to(tl.float32)", "a" if g_exact else None)
-    if g_exact:
-        b_parts = "\n    bhi, blo = _split(bt)"
-        ub_u_dot = 'tl.dot(gt, bhi, tl.dot(gt, blo, input_precision="tf32"), input_precision="tf32") * s'
+    # du's products over one block of columns, DU_COLUMNS at a time (the helper `_du`, which both
+    # du kernels call), each from zero and added in the long sums' type (DU_PRODUCTS)
+    words = g_exact and du_products == "float64"
+    if words:
+        du_fn = _DU_WORDS.format(half=_HALF[od], long_t=long_t)
     else:
-        b_parts = ""
-        ub_u_dot = prod("gt", "bt")
+        du_dot = dot(gu, "bt", "a" if g_exact else None).replace("acc", "du")
+        du_fn = _DU_TILES.format(
+            cols=du_columns or "BN", long_t=long_t, du_dot=du_dot, scale=" * s" if g_exact else ""
+        )
+    # the fused du and dB: g's tile loaded once for dB's product (du's narrower products load
+    # theirs again, from the cache)
+    ub_b_dot = dot("tl.trans(gt)", "ut.to(tl.float32)", "a" if g_exact else None)
     # the scaling left out of the products above, applied to their sums
     scaled = "\n    acc = acc * s" if g_exact else ""
     grad_ub = "\n\n".join(
-        _grad_ub_source(name, m, gu, ub_b_dot, ub_u_dot, b_parts, scaled, acc_t) for m in UB_BLOCKS
+        _grad_ub_source(name, m, gu, ub_b_dot, scaled, acc_t) for m in UB_BLOCKS
     )
     return (
         head
         + rounders
         + (_SPLIT if x_exact or g_exact else "")
+        + (_HALVES if words else "")
         + f'''
 
 @triton.jit
@@ -198,8 +277,11 @@ def _gv(g_ptr, t, n, T, N, sg, s):
     return _r_a(_g(g_ptr, t, n, T, N, sg) * s)
 
 
+{du_fn}
+
+
 @triton.jit
-def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
+def {name}_grad_u(g_ptr, gw_ptr, b_ptr, du_ptr, s, T, N, R, sg, sgw, sb, sdu, cols,
                   BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, SPLIT: tl.constexpr):
     # du = R_a(gv @ B), summed over the output width; SPLIT: over one split of it (`cols` columns),
     # its sums stored at du_ptr as part[split, t, r] ({long_t[3:]}), added and rounded afterwards
@@ -209,9 +291,7 @@ def {name}_grad_u(g_ptr, b_ptr, du_ptr, s, T, N, R, sg, sb, sdu, cols,
     lo = tl.program_id(1) * cols
     acc = tl.full((BT, BR), 0.0, {long_t})
     for n0 in range(lo, lo + cols, BN):
-        n = n0 + tl.arange(0, BN)
-        bt = tl.load(b_ptr + n[:, None] * sb + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-        acc = {grad_u_dot}{scaled}
+        acc = acc + _du(g_ptr, gw_ptr, b_ptr, t, n0, s, T, N, R, sg, sgw, sb, BT, BN, BR)
     m = (t[:, None] < T) & (r[None, :] < R)
     if SPLIT:
         tl.store(du_ptr + tl.program_id(1) * T * R + t[:, None] * R + r[None, :], acc, mask=m)
@@ -273,22 +353,22 @@ def {name}_grad_x(dx_ptr, du_ptr, a_ptr, T, K, R, sdx, sdu, sa,
 UB_BLOCKS = (1, 2, 4)  # the grad_ub variants: column blocks per program (kernel.py picks one)
 
 
-def _grad_ub_source(name: str, M: int, gu, ub_b_dot, ub_u_dot, b_parts, scaled, acc_t) -> str:
+def _grad_ub_source(name: str, M: int, gu, ub_b_dot, scaled, acc_t) -> str:
     """The kernel making du and dB from one read of the output's gradient, a program taking M column
     blocks of BN over one split of the rows (`{name}_grad_ub`, and `_grad_ubM` for M > 1). du's
-    sums over the program's M x BN columns, per row: dupart[program's column group, t, r] (added
-    over the groups afterwards, as du's split sums are; M blocks a program write 1/M of the
-    partial sums of one block a program). dB's sums over the split's rows: dbpart[split, n, r],
-    one accumulator per column block. The code of one block (the names gt, acc, bt, bhi, blo, n in
-    the products above) is repeated with the block's index."""
+    sums over the program's M x BN columns, per row (`_du`'s, block by block): dupart[program's
+    column group, t, r] (added over the groups afterwards, as du's split sums are; M blocks a
+    program write 1/M of the partial sums of one block a program). dB's sums over the split's
+    rows: dbpart[split, n, r], one accumulator per column block. The code of one block (the
+    names gt, acc, n in the product above) is repeated with the block's index."""
 
     def nth(code: str, j: int) -> str:
-        return re.sub(r"\b(gt|acc|bt|bhi|blo|n)\b", lambda m: f"{m.group(1)}{j}", code)
+        return re.sub(r"\b(gt|acc|n)\b", lambda m: f"{m.group(1)}{j}", code)
 
     kname = f"{name}_grad_ub" + ("" if M == 1 else str(M))
     lines = [
         "@triton.jit",
-        f"def {kname}(g_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sb, su, rows,",
+        f"def {kname}(g_ptr, gw_ptr, b_ptr, u_ptr, dupart_ptr, dbpart_ptr, s, T, N, R, sg, sgw, sb, su, rows,",
         "             BT: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):",
         f"    # du and dB from one read of the output's gradient, {M} column block(s) of BN a program",
         "    s = tl.full([], s, tl.float32)",
@@ -296,9 +376,8 @@ def _grad_ub_source(name: str, M: int, gu, ub_b_dot, ub_u_dot, b_parts, scaled, 
     ]
     for j in range(M):
         lines += [
-            f"    n{j} = (tl.program_id(0) * {M} + {j}) * BN + tl.arange(0, BN)",
-            f"    bt{j} = tl.load(b_ptr + n{j}[:, None] * sb + r[None, :], mask=(n{j}[:, None] < N) & (r[None, :] < R), other=0.0)",
-            f"    bt{j} = bt{j}.to(tl.float32)" + nth(b_parts, j),
+            f"    c{j} = (tl.program_id(0) * {M} + {j}) * BN",
+            f"    n{j} = c{j} + tl.arange(0, BN)",
             f"    acc{j} = tl.full((BN, BR), 0.0, {acc_t})",
         ]
     lines += [
@@ -308,8 +387,12 @@ def _grad_ub_source(name: str, M: int, gu, ub_b_dot, ub_u_dot, b_parts, scaled, 
         "        ut = tl.load(u_ptr + t[:, None] * su + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)",
     ]
     for j in range(M):
-        lines += [f"        gt{j} = {nth(gu, j)}", f"        acc{j} = {nth(ub_b_dot, j)}"]
-        lines.append(f"        du = {nth(ub_u_dot, j)}" if j == 0 else f"        du = du + {nth(ub_u_dot, j)}")
+        du = f"_du(g_ptr, gw_ptr, b_ptr, t, c{j}, s, T, N, R, sg, sgw, sb, BT, BN, BR)"
+        lines += [
+            f"        gt{j} = {nth(gu, j)}",
+            f"        acc{j} = {nth(ub_b_dot, j)}",
+            f"        du = {du}" if j == 0 else f"        du = du + {du}",
+        ]
     lines += [
         "        m = (t[:, None] < T) & (r[None, :] < R)",
         "        tl.store(dupart_ptr + tl.program_id(0) * T * R + t[:, None] * R + r[None, :], du, mask=m)",
@@ -324,22 +407,25 @@ def _grad_ub_source(name: str, M: int, gu, ub_b_dot, ub_u_dot, b_parts, scaled, 
     return "\n".join(lines)
 
 
-def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, long_sums: str | None = None) -> str:
+def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, long_sums: str | None = None, du=None) -> str:
+    """The kernels' module name; `du`: (DU_COLUMNS, DU_PRODUCTS) where not the table's."""
     long_sums = long_sums or LONG_SUMS
+    du = du or (DU_COLUMNS, DU_PRODUCTS)
     tail = "" if long_sums == "float64" else f"__{long_sums}_sums"
+    tail += "" if du == (16, "tf32x2") else f"__du{du[0]}_{du[1]}"
     return f"lora__{str(xd)[6:]}__{str(ad)[6:]}__{str(od)[6:]}{tail}"
 
 
 def kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str):
     """The module of LoRA kernels for x of dtype xd, adapters of dtype ad and a base output of dtype
     od (the interpreter's on the CPU)."""
-    return _kernels(xd, ad, od, device_type, LONG_SUMS)
+    return _kernels(xd, ad, od, device_type, LONG_SUMS, (DU_COLUMNS, DU_PRODUCTS))
 
 
 @functools.cache
-def _kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str, long_sums: str):
-    name = kernel_name(xd, ad, od, long_sums)
-    source = kernel_source(name, xd, ad, od, precision(ad), long_sums)
+def _kernels(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, device_type: str, long_sums: str, du: tuple):
+    name = kernel_name(xd, ad, od, long_sums, du)
+    source = kernel_source(name, xd, ad, od, precision(ad), long_sums, *du)
     mod, _ = load_module(name, source, interpret=device_type == "cpu")
     register_kernels(name)
     return mod, name

@@ -76,7 +76,9 @@ FUSED_UB = True
 # partial sums once for its M x BN columns, 1/M of those of one block a program, and keeps M of
 # dB's accumulators. On the H200, 2026-12-04 (`tune_lora.py --parts blocks`, summed over the four
 # pairs): 1 block 461 us, 2 blocks 457 (within the noise), 4 blocks 552 (M accumulators and their
-# operand splits crowd the registers): one block a program, the tuned tile. The interpreter's
+# operand splits crowd the registers): one block a program, the tuned tile. With du's partial sums
+# in float64 (twice the bytes): 1 block 912 us, 2 blocks 861, 4 blocks 1412 (another host; the
+# thorough profile has judged only 1 block on a GPU, so 1 stays). The interpreter's
 # (CPU_UB_BLOCKS) is 2, so CI runs the repeated code.
 GPU_UB_BLOCKS = 1
 CPU_UB_BLOCKS = 2

@@ -178,12 +178,12 @@ CANDIDATES = {
 }
 
 
+@contextlib.contextmanager
 def _candidate_set(tiles: dict, ub_blocks: int | None, du: tuple):
     """GPU_TILES, GPU_UB_BLOCKS, DU_COLUMNS and DU_PRODUCTS as a candidate sets them, inside the block."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(_set(K, GPU_TILES={**K.GPU_TILES, **tiles}, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS))
-    stack.enter_context(_set(source, DU_COLUMNS=du[0], DU_PRODUCTS=du[1]))
-    return stack
+    tiles = {**K.GPU_TILES, **tiles}
+    with _set(K, GPU_TILES=tiles, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS), _set(source, DU_COLUMNS=du[0], DU_PRODUCTS=du[1]):
+        yield
 
 
 def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:

@@ -258,8 +258,8 @@ def _grad_u(launch: _Launches, g2, Bc, s: float, T: int, N: int, R: int, xd, dty
 
 def _grad_ub(launch: _Launches, g2, Bc, u, s: float, T: int, N: int, R: int, xd, ad: torch.dtype):
     """(du, dB) from one read of g (T, N > 0): du's sums per group of column blocks (a program's,
-    GPU_UB_BLOCKS; in float64, as the unfused kernel's splits of the width: stored in float32 the
-    partial sums of an output 8192 wide left du 8x a float32 rounding's error where it cancels) and
+    GPU_UB_BLOCKS; in float64, as the unfused kernel's splits of the width: stored in float32, the
+    257-513 partial sums of an output 32771 wide left du 8x a float32 rounding's error where it cancels) and
     dB's float32 sums per split of the rows, each added in a fixed order and rounded once (the
     same products as the unfused kernels'; du's sums split by column groups instead of unsplit)."""
     BT, BN = launch.tile("grad_ub")

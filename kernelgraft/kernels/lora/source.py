@@ -112,10 +112,11 @@ def _half_f16(w):
 """
 
 
-def du_words(xd: torch.dtype, ad: torch.dtype, od: torch.dtype) -> bool:
+def du_words(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, du_products: str | None = None) -> bool:
     """du's kernels read the output's gradient as 32-bit words (the float64 products, DU_PRODUCTS):
     a gradient exact in TF32 (bf16/fp16) with float32 adapters, x not float32 (`sums_in_float64`)."""
-    return DU_PRODUCTS == "float64" and ad == torch.float32 and _exact_in_tf32(od) and xd != torch.float32
+    float64 = (du_products or DU_PRODUCTS) == "float64"
+    return float64 and ad == torch.float32 and _exact_in_tf32(od) and xd != torch.float32
 
 
 def _exact_in_tf32(dtype: torch.dtype) -> bool:
@@ -203,7 +204,7 @@ def kernel_source(
     grad_b_dot = dot(f"tl.trans({gu})", "ut.to(tl.float32)", "a" if g_exact else None)
     # du's products over one block of columns, DU_COLUMNS at a time (the helper `_du`, which both
     # du kernels call), each from zero and added in the long sums' type (DU_PRODUCTS)
-    words = g_exact and du_products == "float64"
+    words = du_words(xd, ad, od, du_products)
     if words:
         du_fn = _DU_WORDS.format(half=_HALF[od], long_t=long_t)
     else:

@@ -8,7 +8,7 @@ kernels, the rest).
 
 The switch (`kernels/lora/kernel.py`, FUSED_UB) is read when a graph is compiled, so each build is
 compiled with its value and inductor's caches are off for the run (the second build would load the
-first's graphs from them).
+first's graphs from them). A build whose profiled step ran the other's kernels is an error.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -67,11 +68,13 @@ def run(shape: str, rounds: int) -> dict:
     functorch_config.enable_autograd_cache = False
     s = SHAPES[shape]
     ids = torch.randint(0, s["cfg"]["vocab_size"], (s["B"], s["S"]), device="cuda")
-    steps = {}
+    steps, was = {}, lora_kernel.FUSED_UB
+    # one reset before both builds, none between them: a reset drops the first model's compiled
+    # code, which its first timed step would then recompile with the second build's switch
+    torch._dynamo.reset()
     try:
         for name, fused in BUILDS.items():
             lora_kernel.FUSED_UB = fused
-            torch._dynamo.reset()
             model = build(shape, "kernelgraft (inductor)")
 
             def step(model=model):
@@ -82,7 +85,7 @@ def run(shape: str, rounds: int) -> dict:
                 step()
             steps[name] = step
     finally:
-        lora_kernel.FUSED_UB = True
+        lora_kernel.FUSED_UB = was
     torch.cuda.synchronize()
     walls: dict = {k: [] for k in steps}
     for _ in range(rounds):
@@ -94,6 +97,9 @@ def run(shape: str, rounds: int) -> dict:
     out = {}
     for name, step in steps.items():
         kernels = by_kernel(step)
+        fused = any(re.search(r"_grad_ub\d*$", k) for k in kernels)
+        if fused != BUILDS[name]:  # it was recompiled with the other build's switch
+            raise RuntimeError(f"{name}: the step ran {'grad_ub' if fused else 'grad_u and grad_b'}")
         groups: dict = {}
         for k, (ms, _) in kernels.items():
             groups[group(k)] = groups.get(group(k), 0.0) + ms

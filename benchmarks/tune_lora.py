@@ -16,10 +16,10 @@ Llama-3.2-1B layer (q/o 2048->2048, k/v 2048->512, gate/up 2048->8192, down 8192
               at (GPU_FILL; 0: u or du not split) of 0/1/2/4/8
     blocks    grad_ub with 1, 2 and 4 column blocks a program (source.UB_BLOCKS; kernel.py
               GPU_UB_BLOCKS), du's partial sums added as the backward adds them
-    hard      du's products in float64 or in TF32 passes over 16 or 64 columns at a time (a tensor
-              core adding into a running sum rounds coarser than float32; source.DU_PRODUCTS),
-              each judged by the accuracy rule on cases the thorough profile drew (HARD) and timed
-              as the backward of the four pairs
+    hard      the ways of making du (CANDIDATES: its products in float64 or in TF32 passes,
+              source.DU_PRODUCTS; grad_ub's blocks and tile; du and dB from one read of the
+              output's gradient or apart), each judged by the accuracy rule on cases the thorough
+              profile drew (HARD) and timed as the backward of the four pairs
 
     python benchmarks/tune_lora.py [--out DIR] [--parts ops,accuracy,tiles,fills,blocks,hard] [--kernels K1,K2]
         -> DIR/tune_lora.json, DIR/tune_lora.md
@@ -167,22 +167,29 @@ def accuracy() -> list[dict]:
 # the `lora.peft` spelling's example (on an H200, dA against the rule's bound: 8.1e-7 against
 # 4.82e-7 with du's products 64 columns wide, then 3.3e-6 against 8.6e-7 with 16)
 HARD = [(38, 65536, torch.bfloat16, "constant_rows", 38), (4, 65536, torch.float16, "constant_rows", 29130)]
-# candidates: kernel -> (rows, columns, warps), grad_ub's column blocks a program, and how du's
-# products are taken (source.DU_PRODUCTS: float64, or two TF32 passes) over how many columns each
-# (source.DU_COLUMNS; 0: one per block of 64). dA's dot sums over a tile's rows
+# candidates: kernel -> (rows, columns, warps), grad_ub's column blocks a program, how du's products
+# are taken (source.DU_PRODUCTS: float64, or two TF32 passes) over how many columns each
+# (source.DU_COLUMNS; 0: one per block of 64), and whether du and dB come from one read of the
+# output's gradient (grad_ub, whose du partial sums per column group are float64: as many bytes as
+# g itself at 64 columns a block) or apart (grad_u summing the whole width in registers, grad_b)
 CANDIDATES = {
-    "the table's (du in TF32 passes, 16 columns a product)": ({}, None, (16, "tf32x2")),
-    "du in float64": ({}, None, (16, "float64")),
-    "du in TF32 passes, 64 columns a product": ({}, None, (0, "tf32x2")),
-    "the same, dA over 16 rows a dot": ({"grad_a": (16, 128, 4)}, None, (0, "tf32x2")),
+    "du and dB apart (grad_u, grad_b), du in TF32 passes of 16 columns: the table's": ({}, None, (16, "tf32x2"), False),
+    "du and dB from one read (grad_ub)": ({}, None, (16, "tf32x2"), True),
+    "grad_ub, du in float64": ({}, None, (16, "float64"), True),
+    "grad_ub, 2 column blocks a program": ({}, 2, (16, "tf32x2"), True),
+    "grad_ub, 128 columns a block": ({"grad_ub": (64, 128, 4)}, None, (16, "tf32x2"), True),
 }
 
 
 @contextlib.contextmanager
-def _candidate_set(tiles: dict, ub_blocks: int | None, du: tuple):
-    """GPU_TILES, GPU_UB_BLOCKS, DU_COLUMNS and DU_PRODUCTS as a candidate sets them, inside the block."""
+def _candidate_set(tiles: dict, ub_blocks: int | None, du: tuple, fused: bool = True):
+    """GPU_TILES, GPU_UB_BLOCKS, FUSED_UB, DU_COLUMNS and DU_PRODUCTS as a candidate sets them,
+    inside the block."""
     tiles = {**K.GPU_TILES, **tiles}
-    with _set(K, GPU_TILES=tiles, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS), _set(source, DU_COLUMNS=du[0], DU_PRODUCTS=du[1]):
+    with (
+        _set(K, GPU_TILES=tiles, GPU_UB_BLOCKS=ub_blocks or K.GPU_UB_BLOCKS, FUSED_UB=fused),
+        _set(source, DU_COLUMNS=du[0], DU_PRODUCTS=du[1]),
+    ):
         yield
 
 
@@ -198,7 +205,7 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
 
     peft = next(s for s in REGISTRY.spellings() if s.qualname == "lora.peft")
     out = {}
-    for name, (tiles, ub_blocks, du) in CANDIDATES.items():
+    for name, candidate in CANDIDATES.items():
         # each candidate afresh: a kernel that failed under another's tiles is tried again (its
         # failure is in that candidate's verdicts)
         fallback.forget_failures()
@@ -206,7 +213,7 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
         for r, n, dtype, values, seed in cases or HARD:
             args = on_device(_values(peft.example_args(r, n, dtype, seed), values), dev)
             try:  # a candidate that fails (a launch Triton refuses, a kernel that fell back) is said
-                with _candidate_set(tiles, ub_blocks, du):
+                with _candidate_set(*candidate):
                     failed = [str(v) for v in check_spelling(peft, args, compile_ref=False) if not v.ok]
             except Exception as e:  # noqa: BLE001
                 failed = [f"error: {type(e).__name__}: {e}"[:300]]
@@ -216,7 +223,7 @@ def hard(dev: str = "cuda", cases=None, pairs=None, rows: int = T) -> dict:
             _, u = K.forward(t["x"], t["res"], t["A"], t["B"], SCALE)
             bwd = functools.partial(K.backward, t["g"], t["x"], t["A"], t["B"], u, SCALE, (True, True, True))
             try:
-                with _candidate_set(tiles, ub_blocks, du):
+                with _candidate_set(*candidate):
                     ms += triton.testing.do_bench(bwd) if dev == "cuda" else _once(bwd)
             except Exception:  # noqa: BLE001
                 ms = float("nan")

@@ -133,12 +133,13 @@ def test_tune_lora_judges_each_tile_candidate_on_the_hard_cases_and_restores_the
 
     src = tune_lora.source
     table, blocks, du = dict(tune_lora.K.GPU_TILES), tune_lora.K.GPU_UB_BLOCKS, (src.DU_COLUMNS, src.DU_PRODUCTS)
-    with tune_lora._candidate_set({"grad_a": (16, 128, 4)}, 4, (0, "tf32x2")):
+    fused = tune_lora.K.FUSED_UB
+    with tune_lora._candidate_set({"grad_a": (16, 128, 4)}, 4, (0, "tf32x2"), not fused):
         assert tune_lora.K.GPU_TILES["grad_a"] == (16, 128, 4) and tune_lora.K.GPU_UB_BLOCKS == 4
-        assert (src.DU_COLUMNS, src.DU_PRODUCTS) == (0, "tf32x2")
+        assert (src.DU_COLUMNS, src.DU_PRODUCTS) == (0, "tf32x2") and tune_lora.K.FUSED_UB == (not fused)
     with pytest.raises(RuntimeError), tune_lora._candidate_set({"grad_ub": (64, 16, 4)}, 4, (0, "tf32x2")):
         raise RuntimeError("a failed launch")
-    assert tune_lora.K.GPU_TILES == table and tune_lora.K.GPU_UB_BLOCKS == blocks
+    assert tune_lora.K.GPU_TILES == table and tune_lora.K.GPU_UB_BLOCKS == blocks and tune_lora.K.FUSED_UB == fused
     assert (src.DU_COLUMNS, src.DU_PRODUCTS) == du == (16, "tf32x2")
     res = tune_lora.hard(dev="cpu", cases=[(12, 96, torch.bfloat16, "constant_rows", 1)], pairs=[(96, 72)], rows=40)
     assert list(res) == list(tune_lora.CANDIDATES)
@@ -148,7 +149,7 @@ def test_tune_lora_judges_each_tile_candidate_on_the_hard_cases_and_restores_the
     assert (src.DU_COLUMNS, src.DU_PRODUCTS) == du
     md = tune_lora.markdown(dict(device="cpu", date="d", torch="t", hard=res))
     assert md.count("| 12 x 96 bfloat16 constant_rows | ok |") == len(tune_lora.CANDIDATES)
-    res["du in TF32 passes, 64 columns a product"]["cases"][0]["failed"] = ["grad lora_a: ... FAIL"]
+    res["grad_ub, 2 column blocks a program"]["cases"][0]["failed"] = ["grad lora_a: ... FAIL"]
     assert "| FAIL: grad lora_a: ... FAIL |" in tune_lora.markdown(dict(device="cpu", date="d", torch="t", hard=res))
 
 

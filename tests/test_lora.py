@@ -85,6 +85,7 @@ def test_du_and_db_from_one_read_of_the_gradient(sp, xd, ad, blocks, monkeypatch
     from kernelgraft.kernels.lora import kernel as lk
 
     monkeypatch.setattr(lk, "CPU_UB_BLOCKS", blocks)
+    monkeypatch.setattr(lk, "FUSED_UB", True)
     args = _args(70, 96, 200, 8, xd, ad, xd)
     launched = []
     call = lk._Launches.__call__
@@ -131,14 +132,22 @@ def test_sums_over_65536_columns_pass_the_rule_on_a_gpu(sp, dtype, values):
 
 
 @pytest.mark.gpu
-def test_du_summed_over_a_wide_cancelling_output_passes_the_rule_on_a_gpu():
-    """A case the thorough profile drew on an H200: 38 constant rows of 65536, bf16 x, float32
-    adapters of rank 1, an output 32771 wide; du's sum cancels (its terms are 150 times du). With
-    du's tensor-core products 64 columns wide dA was 8.1e-7 against the rule's bound of 4.82e-7
-    (eager 5.1e-9); 16 columns a product (source.DU_COLUMNS) is what passes it."""
+@pytest.mark.parametrize(
+    "rows,dtype,seed", [(38, BF16, 38), (4, F16, 29130)], ids=["38-rows-bf16", "4-rows-fp16"]
+)
+@pytest.mark.parametrize("fused", [True, False], ids=["grad_ub", "grad_u-grad_b"])
+def test_du_summed_over_a_wide_cancelling_output_passes_the_rule_on_a_gpu(rows, dtype, seed, fused, monkeypatch):
+    """Two cases the thorough profile drew on an H200: constant rows of 65536, float32 adapters of
+    rank 1, an output 32771 wide; du's sum cancels (its terms are 150 times du). With du's
+    tensor-core products 64 columns wide the first's dA was 8.1e-7 against the rule's bound of
+    4.82e-7 (eager 5.1e-9): 16 columns a product (source.DU_COLUMNS) passes it. With grad_ub's du
+    partial sums in float32 the second's was 3.3e-6 against 8.6e-7: in float64 they pass it. du
+    and dB from one read (grad_ub) and apart (grad_u summing the whole width, grad_b), each."""
     from kernelgraft.gradcheck.strategies import _values, on_device
+    from kernelgraft.kernels.lora import kernel as lk
 
-    args = on_device(_values(PEFT.example_args(38, 65536, BF16, 38), "constant_rows"), "cuda")
+    monkeypatch.setattr(lk, "FUSED_UB", fused)
+    args = on_device(_values(PEFT.example_args(rows, 65536, dtype, seed), "constant_rows"), "cuda")
     bad = [str(v) for v in check_spelling(PEFT, args, compile_ref=False) if not v.ok]
     assert not bad, "\n".join(bad)
 
@@ -166,6 +175,7 @@ def test_du_and_db_with_several_column_blocks_a_program_pass_the_rule_on_a_gpu(b
     from kernelgraft.kernels.lora import kernel as lk
 
     monkeypatch.setattr(lk, "GPU_UB_BLOCKS", blocks)
+    monkeypatch.setattr(lk, "FUSED_UB", True)
     args = on_device(_args(1000, 2048, 8192, 16, BF16, F32, BF16), "cuda")
     bad = [str(v) for v in check_spelling(PEFT, args, compile_ref=True) if not v.ok]
     assert not bad, "\n".join(bad)

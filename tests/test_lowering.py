@@ -512,12 +512,16 @@ def test_every_generated_row_kernel_is_known_as_kernelgrafts():
     assert not is_kernelgraft_kernel("triton_poi_fused_add_0") and not is_kernelgraft_kernel(None)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["grad_u-grad_b", "grad_ub"])
 @pytest.mark.parametrize("r", [4, 40])
-def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
+def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r, fused):
     """peft's default on a bf16 model (float32 adapters): the forward and backward calls become
     their launches, with a GPU's tiles (rank 4: the tuned tile; 40: the small one) and a GPU's
-    row splits for dA and dB; run here, they give the Python launcher's bits with the same tiles."""
+    row splits for dA and dB; run here, they give the Python launcher's bits with the same tiles.
+    du and dB apart (the default) and from one read of the output's gradient (FUSED_UB)."""
     from kernelgraft.kernels.lora import kernel as lk
+
+    monkeypatch.setattr(lk, "FUSED_UB", fused)
 
     sp = REGISTRY.get("lora", "peft")
     gen = torch.Generator().manual_seed(3)
@@ -543,7 +547,8 @@ def test_lora_traced_runs_as_the_python_launcher(monkeypatch, r):
 
     got, launches = _run_launches_on_cpu(gm, [x, res, a, b, g], launch)
     name = lk.kernel_name(torch.bfloat16, torch.float32, torch.bfloat16)
-    assert launches == [f"{name}_{k}" for k in ("down", "up", "grad_ub", "grad_a", "grad_x")]
+    du_db = ("grad_ub",) if fused else ("grad_u", "grad_b")
+    assert launches == [f"{name}_{k}" for k in ("down", "up", *du_db, "grad_a", "grad_x")]
     cuda = torch.device("cuda")
     blocks, splits = lk._blocks, lk._splits
     monkeypatch.setattr(lk, "_blocks", lambda R, kernel, device: blocks(R, kernel, cuda))

@@ -70,8 +70,12 @@ TRITON_STAGES = 3  # Triton's default depth on CUDA
 # 201 us unsplit, the fastest of the fills swept)
 GPU_FILL = {"down": 0, "grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
 # du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
-# grad_u and grad_b, each reading it
-FUSED_UB = True
+# grad_u and grad_b, each reading it. Off: grad_ub's du partial sums, one row of T x R per column
+# group and float64 (in float32 they cost du its accuracy where it cancels), are as many bytes
+# as g itself at 64 columns a block, written and read again, where grad_u sums the whole width in
+# registers; on the H200, 2026-12-04 (`tune_lora.py --parts hard,ops`, the four pairs), the
+# backward 1.220 ms apart against 1.282 fused, fwd+bwd 1.771 against 1.943
+FUSED_UB = False
 # grad_ub's column blocks per program on the GPU (source.UB_BLOCKS): a program of M blocks writes du's
 # partial sums once for its M x BN columns, 1/M of those of one block a program, and keeps M of
 # dB's accumulators. On the H200, 2026-12-04 (`tune_lora.py --parts blocks`, summed over the four

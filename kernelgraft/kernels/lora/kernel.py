@@ -70,20 +70,20 @@ TRITON_STAGES = 3  # Triton's default depth on CUDA
 # 201 us unsplit, the fastest of the fills swept)
 GPU_FILL = {"down": 0, "grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
 # du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
-# grad_u and grad_b, each reading it. Off: grad_ub's du partial sums, one row of T x R per column
-# group and float64 (in float32 they cost du its accuracy where it cancels), are as many bytes
-# as g itself at 64 columns a block, written and read again, where grad_u sums the whole width in
-# registers; on the H200, 2026-12-04 (`tune_lora.py --parts hard,ops`, the four pairs), the
-# backward 1.220 ms apart against 1.282 fused, fwd+bwd 1.771 against 1.943
+# grad_u (a row tile across the whole width, du summed in registers) and grad_b, each reading it.
+# Off, because grad_ub's du partial sums, a T x R row per column group and float64 (in float32 they
+# cost du its accuracy where it cancels), are as many bytes as g itself at 64 columns a block,
+# written and read again. On the H200, 2026-12-04: the four pairs' backward 1.220 ms apart against
+# 1.282 fused (`tune_lora.py --parts hard`), the 1B + LoRA step 1.4 % faster apart, its device
+# time 3.8 % (`profile_lora_ub.py`, both builds in one process)
 FUSED_UB = False
 # grad_ub's column blocks per program on the GPU (source.UB_BLOCKS): a program of M blocks writes du's
 # partial sums once for its M x BN columns, 1/M of those of one block a program, and keeps M of
 # dB's accumulators. On the H200, 2026-12-04 (`tune_lora.py --parts blocks`, summed over the four
 # pairs): 1 block 461 us, 2 blocks 457 (within the noise), 4 blocks 552 (M accumulators and their
 # operand splits crowd the registers): one block a program, the tuned tile. With du's partial sums
-# in float64 (twice the bytes): 1 block 912 us, 2 blocks 861, 4 blocks 1412 (another host; the
-# thorough profile has judged only 1 block on a GPU, so 1 stays). The interpreter's
-# (CPU_UB_BLOCKS) is 2, so CI runs the repeated code.
+# in float64 (twice the bytes): 1 block 912 us, 2 blocks 861, 4 blocks 1412 on one host, 859, 866
+# and 1419 on another. The interpreter's (CPU_UB_BLOCKS) is 2, so CI runs the repeated code.
 GPU_UB_BLOCKS = 1
 CPU_UB_BLOCKS = 2
 

@@ -93,9 +93,16 @@ def test_tune_lora_report_names_the_tables_tile_and_the_fastest():
     fills = {"grad_u": {"0": {"2048->512": 2e-3}, "4": {"2048->512": 1e-3}}}
     acc = [dict(what="dA", eager=4.7e-7, compile=4.7e-7, kernelgraft=2.7e-7, ok=True)]
     blocks = {"1": {"2048->512": 0.1, "8192->2048": 0.2}, "2": {"2048->512": 0.05, "8192->2048": 0.15}}  # ms
+    other = "kernelgraft, du and dB " + ("apart" if tune_lora.K.FUSED_UB else "from one read")
+    ops = [{"pair": "2048->512", "eager": 1.0, "torch.compile": 0.8, "kernelgraft": 0.3, other: 0.35,
+            "kernelgraft, float32 long sums": 0.29}]  # fmt: skip
     md = tune_lora.markdown(
-        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", accuracy=acc, tiles=tiles, fills=fills, blocks=blocks)
-    )
+        dict(device="NVIDIA H200", date="2026-12-01", torch="2.11", ops=ops, accuracy=acc, tiles=tiles, fills=fills,
+             blocks=blocks)
+    )  # fmt: skip
+    # the ops table's column of the way of making du and dB that the table does not take
+    assert f"| kernelgraft | {other} | kernelgraft, float32 long sums |" in md
+    assert "| 2048->512 | 1.000 | 0.800 | 0.300 | 0.350 | 0.290 |" in md
     assert "| 2 | 50 | 150 | 200 |" in md  # grad_ub with two column blocks a program, us
     # with the memory floor of the pairs run: the tensors each kernel must move, once, at 4275 GB/s
     # (down: x, A and u, 270,008,320 + 68,288,512 bytes; grad_u: g, B and du, 17,858,560 bytes)

@@ -463,7 +463,7 @@ def markdown(res: dict) -> str:
             lines.append(f"| {m} | " + " | ".join(f"{v:.0f}" for v in us) + f" | {sum(us):.0f} |")
         lines.append("")
     if "hard" in res:
-        lines += ["**tile candidates on the hard cases: the rule, and the backward's ms over the pairs**", ""]
+        lines += ["**ways of making du and dB on the hard cases: the rule, and the backward's ms over the pairs**", ""]
         lines += ["| candidate | backward ms | case | rule |", "|---|---|---|---|"]
         for name, r in res["hard"].items():
             for c in r["cases"]:

@@ -164,7 +164,7 @@ def traceable_impl(target):
 
 # op overload -> a plain function computing the same, with the same gradients, through an
 # autograd.Function: what a graph run as it is (the eager backend) calls instead of the op, without
-# the dispatcher's and torch.library's per-call work (measured on the CPU, kernels stubbed: an
+# the dispatcher's and torch.library's work on each call (measured on the CPU, kernels stubbed: an
 # RMSNorm fwd+bwd 119 µs through the ops, 78 µs through the function)
 _EAGER: dict[object, object] = {}
 

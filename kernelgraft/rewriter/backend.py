@@ -125,7 +125,7 @@ class Grafter:
                     "If this compile fails too, the error is inductor's, not the kernels'.",
                 )  # fmt: skip
                 return self._inductor(gm, example_inputs, launch=False, because="inductor's launches failed to compile")
-        if not self.dry_run:  # run as it is: the kernels called without the dispatcher's per-call work
+        if not self.dry_run:  # run as it is: the kernels called without the dispatcher's work on each call
             lowering.eager_calls(gm)
         return gm.forward
 

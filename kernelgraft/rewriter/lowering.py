@@ -207,9 +207,9 @@ def launch_in_graph(graph: fx.Graph) -> Counter:
 
 
 def eager_calls(gm: torch.fx.GraphModule) -> int:
-    """A graph run as it is (the eager backend): each kernelgraft op call that has an eager call
-    (family.eager_call) calls that instead, the same implementation without the dispatcher's
-    per-call work. -> how many calls changed."""
+    """A graph run as it is (the eager backend): each kernelgraft op whose family has an eager
+    function (family.eager_call) runs that instead, the same implementation without the
+    dispatcher's work on each call. -> how many calls changed."""
     done = 0
     for node in gm.graph.nodes:
         if node.op == "call_function":

@@ -142,10 +142,13 @@ LONG_SUMS = "float64"
 #     dA 3.3e-6 against 8.6e-7): the partial sums were 0.4x du there, and each one's float32
 #     rounding added up to several ulps of du. They are float64 now (kernel.py `_grad_ub`).
 # "tf32x2": those two passes, DU_COLUMNS columns a product (the thorough profile passes);
-# "float64": the products and sums in float64 from g's 32-bit words (DU_WORDS), du within half
+# "float64": the products and sums in float64 from g's 32-bit words (`_DU_WORDS`), du within half
 # a float32 ulp, but the LoRA backward 1.8x as long (2.35 against 1.29 ms over the four pairs)
 DU_PRODUCTS = "tf32x2"
 DU_COLUMNS = 16  # tl.dot's least; 0: one product per block of columns
+# the defaults, whose kernels keep the module's plain name (kernel_name)
+_DU_TABLE = (DU_COLUMNS, DU_PRODUCTS)
+
 
 def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
     """x and the adapters both float32: no factor of the long products is exact in TF32, and
@@ -413,7 +416,7 @@ def kernel_name(xd: torch.dtype, ad: torch.dtype, od: torch.dtype, long_sums: st
     long_sums = long_sums or LONG_SUMS
     du = du or (DU_COLUMNS, DU_PRODUCTS)
     tail = "" if long_sums == "float64" else f"__{long_sums}_sums"
-    tail += "" if du == (16, "tf32x2") else f"__du{du[0]}_{du[1]}"
+    tail += "" if du == _DU_TABLE else f"__du{du[0]}_{du[1]}"
     return f"lora__{str(xd)[6:]}__{str(ad)[6:]}__{str(od)[6:]}{tail}"
 
 

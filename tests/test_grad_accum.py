@@ -35,7 +35,7 @@ def collate(rows):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def train_one_step(model, per_device, accumulation, tmp_path, **extra):
+def make_trainer(model, per_device, accumulation, tmp_path, **extra):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -55,8 +55,45 @@ def train_one_step(model, per_device, accumulation, tmp_path, **extra):
         disable_tqdm=True,
         seed=0,
     )
-    Trainer(model=model, args=args, train_dataset=examples(), data_collator=collate).train()
+    return Trainer(model=model, args=args, train_dataset=examples(), data_collator=collate)
+
+
+def train_one_step(model, per_device, accumulation, tmp_path, **extra):
+    make_trainer(model, per_device, accumulation, tmp_path, **extra).train()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def wrapping(wrapped) -> dict:
+    """What a data-parallel run trained (a Trainer's `model_wrapped`): whether it is DDP, which of
+    its modules FSDP2 manages, and how many of its parameters are DTensors (FSDP2's shards)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = list(wrapped.parameters())
+    return {
+        "type": type(wrapped).__name__,
+        "ddp": isinstance(wrapped, DistributedDataParallel),
+        "fsdp2": sorted(n for n, m in wrapped.named_modules() if isinstance(m, FSDPModule)),
+        "dtensors": sum(isinstance(p, DTensor) for p in params),
+        "parameters": len(params),
+    }
+
+
+def check_wrapping(record: dict, how: str):
+    """Fails unless `record` (from `wrapping`) is the tiny 2-layer Llama under the wrapper asked for:
+    "ddp", DDP over plain tensors; "fsdp2", fully_shard on each decoder layer and the root, no DDP,
+    every parameter a DTensor."""
+    if how == "ddp":
+        assert record["ddp"] and record["fsdp2"] == [] and record["dtensors"] == 0, f"not DDP: {record}"
+    elif how == "fsdp2":
+        layers = ["", "model.layers.0", "model.layers.1"]
+        assert not record["ddp"] and record["fsdp2"] == layers, (
+            f"not FSDP2 on each layer and the root: {record}"
+        )
+        assert record["dtensors"] == record["parameters"] > 0, f"parameters not all FSDP2 shards: {record}"
+    else:
+        raise ValueError(f"check_wrapping: unknown wrapper {how!r}; pass ddp or fsdp2")
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
@@ -103,12 +140,16 @@ def test_hand_written_loop_with_num_items_in_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "how",
+    [pytest.param("ddp", id="ddp_wrapped_by_the_trainer"), pytest.param("fsdp2", id="fsdp2_sharded_by_hand")],
+)
 def test_trainer_on_two_processes_equals_the_full_batch(tmp_path, how):
-    # torchrun, 2 CPU processes over gloo: the Trainer wraps the model in DDP or FSDP2 itself, splits
-    # the 8 examples between the ranks, counts num_items_in_batch over both and scales the loss by
-    # the world size before the gradients are averaged (an incoming loss gradient of 2 for the
-    # fused LM head)
+    # torchrun, 2 CPU processes over gloo: the Trainer splits the 8 examples between the ranks,
+    # counts num_items_in_batch over both and scales the loss by the world size before the
+    # gradients are averaged (an incoming loss gradient of 2 for the fused LM head). "ddp": the
+    # Trainer wraps the model in DDP itself; "fsdp2": the model reaches the Trainer already sharded
+    # with fully_shard (tests/trainer_worker.py says why)
     out = tmp_path / "params.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(Path(__file__).parent / "trainer_worker.py"), str(out), how]
@@ -117,6 +158,15 @@ def test_trainer_on_two_processes_equals_the_full_batch(tmp_path, how):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = torch.load(out)
     assert got["world_size"] == 2 and got["lm_head_spellings"] == ["hf_sum_n"], got.get("lm_head_spellings")
+    for name in ("stock", "kernelgraft"):  # the Trainer trained the wrapper asked for
+        check_wrapping(got[f"{name} wrapping"], how)
+    if how == "fsdp2":
+        # why the model is sharded by hand: a Trainer given its own FSDP2 arguments on these CPU
+        # processes gets no FSDP from accelerate, and would train DDP
+        assert not got["accelerate enables fsdp"], (
+            "accelerate runs FSDP on the CPU: test the Trainer's own FSDP2"
+        )
+        check_wrapping(got["accelerate wraps"], "ddp")
     stock = tiny_model("llama")
     full = train_one_step(copy.deepcopy(stock), 8, 1, tmp_path / "full")
     start = {n: p.detach().clone() for n, p in stock.named_parameters()}
@@ -125,6 +175,28 @@ def test_trainer_on_two_processes_equals_the_full_batch(tmp_path, how):
     # as the stock model's
     assert max_rel_diff(got["stock"], full) < 1e-5, max_rel_diff(got["stock"], full)
     assert max_rel_diff(got["kernelgraft"], full) < 1e-5, max_rel_diff(got["kernelgraft"], full)
+
+
+def test_the_wrapper_check_tells_ddp_from_fsdp2():
+    """The check the two-process Trainer test applies to what was trained, on one gloo process: a
+    DDP-wrapped model passes as DDP and fails as FSDP2; a model under fully_shard (as trainer_worker
+    shards it) the other way round."""
+    import torch.distributed as dist
+    from dist_worker import wrap
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = wrapping(DistributedDataParallel(tiny_model("llama")))
+        fsdp2 = wrapping(wrap(tiny_model("llama"), "fsdp2"))
+    finally:
+        dist.destroy_process_group()
+    check_wrapping(ddp, "ddp")
+    check_wrapping(fsdp2, "fsdp2")
+    with pytest.raises(AssertionError, match="not FSDP2"):
+        check_wrapping(ddp, "fsdp2")
+    with pytest.raises(AssertionError, match="not DDP"):
+        check_wrapping(fsdp2, "ddp")
 
 
 def test_trainer_with_lora_equals_the_stock_step(tmp_path):

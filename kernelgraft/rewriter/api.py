@@ -15,7 +15,7 @@ from .._dynamo import capture_settings, fresh_entry
 from ..kernels.fallback import warn_once
 from ..kernels.lm_head import explain_markers
 from ..options import Options
-from .backend import Grafter
+from .backend import DECODING, Grafter
 from .report import RewriteReport, graph_break_reasons
 
 
@@ -273,14 +273,27 @@ def _call(compiled, model, *args, **kwargs):
 
 
 def _run(compiled, model, *args, **kwargs):
-    with capture_settings():  # floats as numbers, hooks guarded, logging calls no graph break
-        out = compiled(model, *args, **kwargs)
+    decoding = DECODING.set(_decodes(kwargs))
+    try:
+        with capture_settings():  # floats as numbers, hooks guarded, logging calls no graph break
+            out = compiled(model, *args, **kwargs)
+    finally:
+        DECODING.reset(decoding)
     rep = model.kernelgraft_report
     if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)
         rep.hooks_seen_at = rep.graphs
         _warn_backward_hooks(model)
     # logits the fused LM head never made: the report confirms that this model withholds them
     return explain_markers(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
+
+
+def _decodes(kwargs) -> bool:
+    """A call that passes a KV cache (`past_key_values`, named `cache` in newer transformers): a
+    step of generate()'s decoding, its prompt included."""
+    return any(
+        v is not None and (k in ("past_key_values", "cache") or hasattr(v, "get_seq_length"))
+        for k, v in kwargs.items()
+    )
 
 
 def _warn_backward_hooks(model) -> None:

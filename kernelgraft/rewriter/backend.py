@@ -5,6 +5,7 @@ hands the rewritten graph to inductor (default) or runs it as is ("eager").
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 from collections import Counter
@@ -19,6 +20,10 @@ from ..patterns import REGISTRY, Registry, Spelling
 from . import attention, ddp, lowering
 from .pipeline import graft
 from .report import RewriteReport
+
+# set around a model's call that decodes (a KV cache passed in, as generate() passes one): its
+# graphs without gradients are reported as decoding, not evaluation
+DECODING = contextvars.ContextVar("kernelgraft_decoding", default=False)
 
 
 def resolve_patterns(patterns) -> list:
@@ -83,6 +88,14 @@ class Grafter:
     def backend(self) -> str:
         return self.options.backend
 
+    def capture_kind(self) -> str:
+        """The kind of graph being captured (report.CAPTURES): training with gradients on (or where
+        `training` says so), else decoding inside a call that passed a KV cache, else evaluation."""
+        training = self.training if self.training is not None else torch.is_grad_enabled()
+        if training:
+            return "training"
+        return "decoding" if DECODING.get() else "evaluation"
+
     def _graft(self, gm, runtime_masks: bool) -> RewriteReport:
         return graft(
             gm,
@@ -101,7 +114,7 @@ class Grafter:
         # a copy of the graph as captured, for the calls whose masks fail their run-time check
         checking = not self.dry_run and self.options.causal_attention
         stock = _graph_copy(gm) if checking and attention.has_input_masks(gm) else None
-        self.report.extend(self._graft(gm, runtime_masks=True), frame=_frame_id())
+        self.report.extend(self._graft(gm, runtime_masks=True), frame=_frame_id(), capture=self.capture_kind())
         compiled = self._lower(gm, example_inputs)
         checks = gm.meta.pop(attention.META, None)
         if not checks:
@@ -203,7 +216,7 @@ class Grafter:
     def grafted_whole(self, gm: torch.fx.GraphModule):
         """gm grafted now; inside the block, the pieces DDPOptimizer cuts from it are only lowered.
         Masks that read graph inputs are kept: checks by position would not survive the cut."""
-        self.report.extend(self._graft(gm, runtime_masks=False), frame=_frame_id())
+        self.report.extend(self._graft(gm, runtime_masks=False), frame=_frame_id(), capture=self.capture_kind())
         self._grafted_whole = True
         try:
             yield

@@ -96,6 +96,24 @@ class Match:
     withheld: list = field(default_factory=list)  # covered fx nodes the graph returns (may_withhold)
 
 
+# conversions that change a value's dtype, layout or device but not what it holds: a returned value
+# reached only through them (accelerate's `.float()` of a bf16 model's outputs) still only leaves
+_CONVERSIONS = frozenset({"float", "half", "bfloat16", "double", "to", "type", "contiguous", "detach"})
+
+
+def leaves_graph(u: torch.fx.Node) -> bool:
+    """u, a user of a value, only hands it out of the graph: the graph's output, or a conversion
+    (by constant arguments) whose users all only hand it out."""
+    if u.op == "output":
+        return True
+    conversion = (
+        u.op == "call_method"
+        and u.target in _CONVERSIONS
+        and not any(isinstance(a, torch.fx.Node) for a in (*u.args[1:], *u.kwargs.values()))
+    )
+    return conversion and bool(u.users) and all(leaves_graph(v) for v in u.users)
+
+
 def _cast_to(m, dt) -> bool:
     """m is a model's cast to the literal dtype dt."""
     return isinstance(dt, torch.dtype) and isinstance(m, CNode) and m.op == "cast" and m.args[1] == dt
@@ -237,7 +255,9 @@ class Matcher:
             if why is None:
                 covered = st.covered()
                 withheld = [
-                    f for f in covered if f is not anchor.fx and any(u.op == "output" for u in f.users)
+                    f
+                    for f in covered
+                    if f is not anchor.fx and any(u not in covered and leaves_graph(u) for u in f.users)
                 ]
                 return Match(self.sp, st.pmap, st.tensors, st.scalars, anchor, covered, withheld)
             self._fail(st, None, anchor, why)
@@ -258,8 +278,8 @@ class Matcher:
             for fxn in mn.cover:
                 outside = [u for u in fxn.users if u not in covered]
                 if self.withhold:
-                    outside = [u for u in outside if u.op != "output"]
-                elif getattr(self.sp, "may_withhold", False) and any(u.op == "output" for u in outside):
+                    outside = [u for u in outside if not leaves_graph(u)]
+                elif getattr(self.sp, "may_withhold", False) and any(leaves_graph(u) for u in outside):
                     return (
                         f"`{fxn.name}` is returned by the model and keep_logits=True: the fused kernel "
                         "would not make it"

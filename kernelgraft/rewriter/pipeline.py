@@ -246,6 +246,25 @@ def unserved(g: Graft) -> None:
     ]
     if g.training and g.heads and not any(p == "lm_head_ce" for _, p in records):
         g.report.unserved += _unserved_heads(g)
+    g.report.unserved += _logits_read(g)
+
+
+def _logits_read(g: Graft) -> list[Unserved]:
+    """An LM head + loss that matched whole but whose logits the captured forward also reads (a
+    wrapper's metric, a second loss): said in one line, beside the near miss that holds the detail."""
+    if g.report.sites and any(r.pattern == "lm_head_ce" for r in g.report.sites):
+        return []
+    out = []
+    for m in g.report.near_misses:
+        if m.pattern == "lm_head_ce" and m.matched == m.total and "outside the pattern" in m.reason:
+            reader = m.reason.split("used by ", 1)[-1].split(" outside", 1)[0]
+            out.append(Unserved(
+                g.heads[0] if g.heads else m.module, "lm_head", "its logits read",
+                f"not fused: the captured forward reads its logits besides the loss ({reader}), so the stock "
+                "head runs at its full memory; read them from the model's output instead, to have it fused",
+            ))  # fmt: skip
+            break
+    return out
 
 
 # ops a model's logits pass through on their way to a loss: what the report names is the rest

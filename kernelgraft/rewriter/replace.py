@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..ir.indexing import VIEWS
 from ..kernels import family_of
 from ..patterns import Site
-from .match import Match
+from .match import Match, leaves_graph
 from .report import SiteRecord, module_path
 
 # node meta key: a kernel call whose outputs kernelgraft tagged for recompute (backend keeps it with
@@ -159,12 +159,24 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
             with g.inserting_before(out_fx):
                 marker = g.call_function(family.withheld_marker(), (like,))
             for u in list(w.users):
-                if u.op == "output":
-                    u.replace_input_with(w, marker)
+                if u not in m.covered and leaves_graph(u):
+                    _hand_out(g, w, u, marker)
     for n in reversed(list(g.nodes)):  # erase what the op now computes, if nothing else reads it
         if n in m.covered and not n.users and n.op != "placeholder":
             g.erase_node(n)
     return call
+
+
+def _hand_out(g: torch.fx.Graph, value: torch.fx.Node, user: torch.fx.Node, marker: torch.fx.Node) -> None:
+    """The marker returned where `user` handed `value` out of the graph, through the conversions
+    between them (leaves_graph); the conversions, then unread, are erased."""
+    if user.op == "output":
+        user.replace_input_with(value, marker)
+        return
+    for u in list(user.users):
+        _hand_out(g, user, u, marker)
+    if not user.users:
+        g.erase_node(user)
 
 
 def plan_pairs(entries: list, dry_run: bool) -> list[tuple]:

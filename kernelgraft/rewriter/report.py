@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import torch.fx
 from ..kernels.fallback import failure_of, site_key
 
 _PREFIX = re.compile(r"^L\[[^\]]*\](\[\d+\])*\.?")
+_BOUND_SELF = re.compile(r"\.forward\.__self__(?=\.)")
+_REACHED = frozenset({"__dict__", "_modules"})
 
 
 def module_path(fx_node) -> str:
@@ -42,7 +45,10 @@ def readable_path(path: str) -> str:
     """A module path as dynamo records it ("L['self'].model.layers[0].mlp") as the model names it."""
     path = _PREFIX.sub("", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("['", ".").replace("']", "")
-    return path.strip(".") or "<top>"
+    # how dynamo reached a submodule, not its name: through a bound method's self (a forward a
+    # wrapper replaced, as accelerate's mixed precision does) or a module's own dicts (peft)
+    parts = [p for p in _BOUND_SELF.sub(".", "." + path + ".").split(".") if p and p not in _REACHED]
+    return ".".join(parts) or "<top>"
 
 
 @dataclass
@@ -56,6 +62,7 @@ class SiteRecord:
     served: bool = True  # the rewrite put a kernel there (see `replaced` for what runs now)
     reason: str = ""  # why it fell back, when it did
     graph: object = 0  # the capture: (dynamo frame id, compile number) where dynamo tells
+    capture: str = ""  # the kind of graph: "training", "evaluation" or "decoding" (CAPTURES)
     paired: bool = False  # served by one launch together with a sibling site (q and k of a layer)
     withheld: list = field(default_factory=list)  # values the graph returned that the kernel never made
     device: str = ""  # device type of the site's first tensor argument
@@ -103,6 +110,7 @@ class NearMiss:
     found: str  # the model node there
     reason: str
     graph: object = 0  # the capture: (dynamo frame id, compile number) where dynamo tells
+    capture: str = ""
 
     def __str__(self) -> str:
         return (
@@ -123,17 +131,28 @@ class Unserved:
     cls: str  # the module's class name; a rotary helper's function name
     reason: str
     graph: object = 0
+    capture: str = ""
 
     def __str__(self) -> str:
         what = {"mlp": "an MLP", "norm": "a norm", "rope": "a rotary helper", "lm_head": "the LM head"}[self.kind]
         return f"{self.module} ({self.cls}, {what}): {self.reason}"
 
 
+# the kinds of graph a model is captured as, each reported on its own: a training step (gradients
+# on), an evaluation forward (no gradients), generate()'s decoding (no gradients, a KV cache passed in)
+CAPTURES = ("training", "evaluation", "decoding")
+
+_RECORDS = ("sites", "fallbacks", "near_misses", "unserved", "masks_kept", "projections")
+
+
 @dataclass
 class RewriteReport:
-    """Per capture: `.sites` (replaced by the rewrite), `.fallbacks` (refused at capture),
-    `.near_misses`, `.counts()`; `str()` is a table. A site whose kernel failed later, at run time,
-    stays in `.sites` but is no longer `replaced`, nor counted: `fell_back_at_run_time()` lists them."""
+    """What each capture replaced: `.sites` (replaced by the rewrite), `.fallbacks` (refused at
+    capture), `.near_misses`, `.counts()`; `str()` is a table. A site whose kernel failed later, at
+    run time, stays in `.sites` but is no longer `replaced`, nor counted: `fell_back_at_run_time()`
+    lists them. Each record says which kind of graph it is from (`capture`: training, evaluation,
+    decoding); `by_graph()` splits the report by kind, and a capture of one kind never changes what
+    another kind's records say."""
 
     sites: list[SiteRecord] = field(default_factory=list)
     fallbacks: list[SiteRecord] = field(default_factory=list)
@@ -147,6 +166,8 @@ class RewriteReport:
     # (rewriter/projections.py)
     projections: list[SiteRecord] = field(default_factory=list)
     graphs: int = 0  # captures seen, recompiles included
+    # captures seen by kind of graph (CAPTURES), recompiles included
+    graphs_by: Counter = field(default_factory=Counter, repr=False, compare=False)
     # masks read from graph inputs, checked at run time (attention.MaskCheck: counts of its verdicts)
     mask_checks: list = field(default_factory=list, repr=False, compare=False)
     # DDP's graph cuts at its gradient buckets (rewriter/ddp.py): per cut, the recomputed kernel
@@ -163,8 +184,39 @@ class RewriteReport:
     # is captured and served on its own, and a site cut by a break is not seen whole
     graph_breaks: Counter = field(default_factory=Counter, repr=False, compare=False)
 
-    def counts(self) -> dict[str, int]:
-        """Pattern name -> number of sites replaced (whose kernels run now)."""
+    def captures(self) -> list[str]:
+        """The kinds of graph captured so far (CAPTURES' order), each with records or graphs."""
+        seen = {r.capture for name in _RECORDS for r in getattr(self, name)} | set(self.graphs_by)
+        return [k for k in (*CAPTURES, "") if k in seen]
+
+    def by_graph(self) -> dict[str, RewriteReport]:
+        """The report split by kind of graph: {"training": ..., "evaluation": ..., "decoding": ...},
+        the kinds captured so far, each a report of its own records."""
+        return {k: self.of(k) for k in self.captures()}
+
+    def of(self, capture: str) -> RewriteReport:
+        """The records of one kind of graph ("training", "evaluation" or "decoding"), as a report."""
+        if capture not in CAPTURES and capture != "":
+            raise ValueError(f"kernelgraft: no kind of graph {capture!r}; the kinds are {', '.join(CAPTURES)}")
+        part = RewriteReport(graphs=self.graphs_by[capture] if self.graphs_by else self.graphs)
+        for name in _RECORDS:
+            setattr(part, name, [r for r in getattr(self, name) if r.capture == capture])
+        part.graphs_by = Counter({capture: part.graphs})
+        return part
+
+    def counts(self, graph: str | None = None) -> dict[str, int]:
+        """Pattern name -> number of sites replaced (whose kernels run now) in one forward: of the
+        kind of graph `graph` names ("training", "evaluation", "decoding"), or, by default, of
+        whichever kind serves that pattern most (a training step's, once the model has trained)."""
+        if graph is not None:
+            return self.of(graph).counts()
+        kinds = self.captures()
+        if len(kinds) > 1:
+            best: Counter = Counter()
+            for k in kinds:
+                for pattern, n in self.of(k).counts().items():
+                    best[pattern] = max(best[pattern], n)
+            return dict(best)
         return dict(Counter(s.pattern for s in self.sites if s.replaced))
 
     def fell_back_at_run_time(self) -> list[SiteRecord]:
@@ -172,74 +224,104 @@ class RewriteReport:
         return [s for s in self.sites if not s.replaced]
 
     def launches(self) -> int:
-        """Kernel launches per forward: one per site, one per pair of paired sites."""
+        """Kernel launches per forward (of the kind of graph with the most): one per site, one per
+        pair of paired sites."""
+        kinds = self.captures()
+        if len(kinds) > 1:
+            return max(self.of(k).launches() for k in kinds)
         live = [s for s in self.sites if s.replaced]
         return len(live) - sum(s.paired for s in live) // 2
 
-    def extend(self, other: RewriteReport, frame=None) -> None:
-        """Add one capture's records. frame: (dynamo's frame id, its compile number). A recapture of
-        the same frame (a recompile: new shapes, new guards) replaces that frame's records, so
-        counts() describe the code that runs now; graphs of one compile (DDP's graph split at its
-        buckets, each piece handed to the backend) add up."""
+    def extend(self, other: RewriteReport, frame=None, capture: str = "") -> None:
+        """Add one capture's records. frame: (dynamo's frame id, its compile number); capture: the
+        kind of graph (CAPTURES). A recapture of the same frame as the same kind of graph (a
+        recompile: new shapes, new guards) replaces that frame's records of that kind, so counts()
+        describe the code that runs now; a capture of another kind (an evaluation after training)
+        keeps its own; graphs of one compile (DDP's graph split at its buckets, each piece handed
+        to the backend) add up."""
         if frame is not None:
-            stale = lambda r: isinstance(r.graph, tuple) and r.graph[0] == frame[0] and r.graph != frame
-            self.sites = [r for r in self.sites if not stale(r)]
-            self.fallbacks = [r for r in self.fallbacks if not stale(r)]
-            self.near_misses = [r for r in self.near_misses if not stale(r)]
-            self.unserved = [r for r in self.unserved if not stale(r)]
-            self.masks_kept = [r for r in self.masks_kept if not stale(r)]
-            self.projections = [r for r in self.projections if not stale(r)]
+
+            def stale(r) -> bool:
+                same_frame = isinstance(r.graph, tuple) and r.graph[0] == frame[0]
+                return same_frame and r.capture == capture and r.graph != frame
+
+            for name in _RECORDS:
+                setattr(self, name, [r for r in getattr(self, name) if not stale(r)])
         key = frame if frame is not None else self.graphs
-        for r in (
-            other.sites
-            + other.fallbacks
-            + other.near_misses
-            + other.unserved
-            + other.masks_kept
-            + other.projections
-        ):
-            r.graph = key
+        for name in _RECORDS:
+            for r in getattr(other, name):
+                r.graph, r.capture = key, capture
         self.add(other)
         self.graphs += other.graphs
+        self.graphs_by[capture] += other.graphs
 
     def forget_captures(self) -> None:
         """Drop every capture's records (the model compiles afresh: its earlier graphs no longer run);
         the count of captures stays."""
-        self.sites, self.fallbacks, self.near_misses, self.unserved = [], [], [], []
-        self.masks_kept, self.projections = [], []
+        for name in _RECORDS:
+            setattr(self, name, [])
 
     def add(self, other: RewriteReport) -> None:
         """other's records into this capture's (a region of it grafted on its own)."""
-        self.sites += other.sites
-        self.fallbacks += other.fallbacks
-        self.near_misses += other.near_misses
-        self.unserved += other.unserved
-        self.masks_kept += other.masks_kept
-        self.projections += other.projections
+        for name in _RECORDS:
+            getattr(self, name).extend(getattr(other, name))
 
     def __str__(self) -> str:
-        head = ["pattern", "module", "shapes", "dtypes", "scalars", "status"]
-        rows = [s.row() for s in self.sites + self.fallbacks]
+        kinds = self.captures()
+        if len(kinds) <= 1:
+            return "\n".join(self._lines(self._headline()))
+        out = [f"kernelgraft: {self.graphs} graph(s), by kind: " + ", ".join(
+            f"{k} {self.graphs_by[k]}" for k in kinds
+        )]
+        for k in kinds:
+            part = self.of(k)
+            out += part._lines(f"{k or 'other'} graphs: " + part._headline().removeprefix("kernelgraft: "))
+        out += self._extras()
+        return "\n".join(out)
+
+    def _headline(self) -> str:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items())) or "none"
         lost = self.fell_back_at_run_time()
-        out = [
+        return (
             f"kernelgraft: {len(self.sites) - len(lost)} site(s) replaced in {self.graphs} graph(s) ({counts})"
             + (f"; {len(lost)} fell back at run time (their kernels failed: stock code runs)" if lost else "")
-        ]
+        )
+
+    def _lines(self, headline: str) -> list[str]:
+        """This report's records as text under `headline` (each kind's section of a split report)."""
+        out = [headline]
+        rows = [s.row() for s in self.sites + self.fallbacks]
         if rows:
-            out.append(_table(head, rows))
+            out.append(_table(["pattern", "module", "shapes", "dtypes", "scalars", "status"], rows))
         if self.near_misses:
             out.append(f"near misses ({len(self.near_misses)}):")
-            out += [f"  - {m}" for m in self.near_misses]
+            out += _items(self.near_misses)
         if self.unserved:
-            out.append(f"not served, nothing close ({len(self.unserved)}):")
-            out += [f"  - {u}" for u in self.unserved]
+            out.append(f"not served ({len(self.unserved)}):")
+            out += _items(self.unserved)
+        if self.projections:
+            fused = [r for r in self.projections if r.served]
+            out.append(
+                f"linear layers reading one input: {len(fused)} of {len(self.projections)} group(s) "
+                "fused into one matmul each"
+            )
+            out += _items(f"{r.module} ({', '.join(r.shapes)}): {r.reason}" for r in self.projections if not r.served)
+        if self.masks_kept:
+            out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
+            out += _items(f"{r.module}: {r.reason}" for r in self.masks_kept)
+        if len(self.captures()) <= 1:
+            out += self._extras()
+        return out
+
+    def _extras(self) -> list[str]:
+        """What the report says of the whole model, not of one kind of graph."""
+        out = []
         if self.graph_breaks:
             out.append(
                 f"graph breaks ({sum(self.graph_breaks.values())}): the model was captured in pieces, each "
                 "served on its own; a site a break cuts is not seen whole (TORCH_LOGS=graph_breaks shows where)"
             )
-            out += [f"  - {why} (x{n})" for why, n in self.graph_breaks.most_common()]
+            out += _items(f"{why} (x{n})" for why, n in self.graph_breaks.most_common())
         if self.mask_checks:
             yes, no = (sum(c.runs[i] for c in self.mask_checks) for i in (0, 1))
             out.append(
@@ -256,29 +338,49 @@ class RewriteReport:
                 "graphs compiled by inductor, by the wrapper that launches their kernels: "
                 + ", ".join(f"{v} {k}" for k, v in sorted(self.wrappers.items()))
             )
-        if self.projections:
-            fused = [r for r in self.projections if r.served]
-            out.append(
-                f"linear layers reading one input: {len(fused)} of {len(self.projections)} group(s) "
-                "fused into one matmul each"
-            )
-            out += [
-                f"  - {r.module} ({', '.join(r.shapes)}): {r.reason}"
-                for r in self.projections
-                if not r.served
-            ]
-        if self.masks_kept:
-            out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
-            out += [f"  - {r.module}: {r.reason}" for r in self.masks_kept]
-        return "\n".join(out)
+        return [w for line in out for w in (textwrap.wrap(line, WIDTH, subsequent_indent="    ") or [line])]
 
     __repr__ = __str__
 
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+def _items(things) -> list[str]:
+    """A bulleted list, each item wrapped at WIDTH."""
+    return [
+        line
+        for t in things
+        for line in textwrap.wrap(str(t), WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    ]
+
+
+WIDTH = 120  # the widest a printed table gets: wider rows put their details on a line of their own
+
+
+def _table(head: list[str], rows: list[list[str]], details: tuple[int, ...] = (2, 3, 4)) -> str:
+    """rows under head, columns aligned. Where that is wider than WIDTH, the `details` columns
+    leave the table: each row's details follow it on an indented line, wrapped at WIDTH."""
+
+    def aligned(head, rows):
+        widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+        fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+        return [fmt(head), fmt(["-" * w for w in widths])], fmt
+
+    lines, fmt = aligned(head, rows)
+    if max(len(x) for x in lines) <= WIDTH:
+        return "\n".join(lines + [fmt(r) for r in rows])
+    keep = [i for i in range(len(head)) if i not in details]
+    # the last column's text past its first ": " (a fallback's reason) goes to the details too
+    last = keep[-1]
+    cut = lambda c: str(c).split(": ", 1)
+    short = lambda r: [cut(r[i])[0] if i == last else r[i] for i in keep]
+    lines, fmt = aligned(short(head), [short(r) for r in rows])
+    for r in rows:
+        lines.append(fmt(short(r)))
+        more = [f"{head[i]}: {r[i]}" for i in details if r[i]]
+        if len(cut(r[last])) > 1:
+            more.append(f"why: {cut(r[last])[1]}")
+        if more:
+            lines += textwrap.wrap("; ".join(more), WIDTH, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def graph_break_reasons(counted: Counter) -> Counter:

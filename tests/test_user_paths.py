@@ -184,6 +184,20 @@ def test_a_copy_of_an_optimized_model_stays_optimized(how):
     torch.testing.assert_close(twin(**b).loss, mine(**b).loss, rtol=0, atol=0)
 
 
+def test_a_shallow_copy_shares_the_parameters_and_is_optimized_apart():
+    """copy.copy: the plain model's shallow copy (parameters shared), optimized as the original
+    was, with its own compiled call and report."""
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", lm_head_chunk=8)
+    twin = copy.copy(mine)
+    assert twin is not mine and twin.kernelgraft_report is not mine.kernelgraft_report
+    assert all(p is q for p, q in zip(twin.parameters(), mine.parameters()))
+    assert twin.__dict__["__deepcopy__"].args[1]["lm_head_chunk"] == 8
+    b = batch()
+    loss = twin(**b).loss
+    assert twin.kernelgraft_report.counts() == FULL and mine.kernelgraft_report.counts() == {}
+    torch.testing.assert_close(loss, mine(**b).loss, rtol=0, atol=0)
+
+
 def test_a_module_holding_an_optimized_model_copies_it_optimized():
     holder = torch.nn.ModuleDict({"policy": kernelgraft.optimize(tiny_model("llama"), backend="eager")})
     twin = copy.deepcopy(holder)

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import sys
 from collections import Counter
 
 import torch
@@ -248,12 +249,23 @@ def _deepcopy(model, settings, memo):
 
 def _reduce_ex(model, settings, protocol):
     """pickle / torch.save of an optimized model: the plain model's state, and on loading it is
-    optimized again as the original was (kernelgraft must be importable where it is loaded)."""
+    optimized again as the original was (kernelgraft must be importable where it is loaded).
+    copy.copy asks for this too, and takes no state setter: it gets a shallow copy made as below."""
+    if sys._getframe(1).f_globals.get("__name__") == "copy":
+        return (_shallow_copy, (model, settings))
     with _without_added(model):
         rv = model.__reduce_ex__(protocol)
     if not isinstance(rv, tuple) or len(rv) < 3:
         return rv
     return (rv[0], rv[1], (rv[2], settings), None, None, _restore)
+
+
+def _shallow_copy(model, settings):
+    """copy.copy of an optimized model: the plain model's shallow copy (its parameters shared),
+    optimized as the original was (its own compiled call and report)."""
+    with _without_added(model):
+        clone = copy.copy(model)
+    return optimize(clone, **settings)
 
 
 def _restore(obj, state) -> None:

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..kernels.fallback import warn_once
 from ..options import Options
 from ..patterns import REGISTRY, Registry, Spelling
-from . import attention, ddp, lowering
+from . import attention, ddp, launch_record, lowering
 from .pipeline import graft
 from .report import RewriteReport
 
@@ -173,10 +173,12 @@ class Grafter:
             lowering.keep_static_launches()
         training = self.training if self.training is not None else torch.is_grad_enabled()
         wrapper = "Python"
+        post = patches.get("post_grad_custom_post_pass")
+        record = functools.partial(self._launch_record, gm, example_inputs, post)
         if o.cpp_wrapper(training, _on_cuda(example_inputs), _dynamic(example_inputs), _has_kernels(gm)):
             counted = Counter(self.report.launched_by)
             try:
-                with lowering.tangents_laid_out_as_outputs():
+                with lowering.tangents_laid_out_as_outputs(), record("C++"):
                     compiled = compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
                 self.report.wrappers["C++"] += 1
                 return compiled
@@ -187,10 +189,24 @@ class Grafter:
                     "again with its Python wrapper (slower on the host; wrapper='python' skips the attempt).",
                 )  # fmt: skip
                 wrapper = "Python (the C++ wrapper failed to compile)"
-        with lowering.tangents_laid_out_as_outputs():
+        with lowering.tangents_laid_out_as_outputs(), record(wrapper):
             compiled = compile_fx(gm, example_inputs, config_patches=patches or None, **extra)
         self.report.wrappers[wrapper] += 1
         return compiled
+
+    @contextlib.contextmanager
+    def _launch_record(self, gm, example_inputs, post, wrapper: str):
+        """Around one compile: the post-grad pass counts its launches into a record kept beside
+        inductor's cache, and what it did not count (a graph loaded from the cache) is read back."""
+        if post is None:
+            yield
+            return
+        inputs = [(tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+        key = launch_record.graph_key(gm.code, inputs, self.options, wrapper, post.launch, post.host_because, post.uuid())
+        # kept on the pass: inductor compiles the backward graph later, on the first backward
+        post.record = launch_record.LaunchRecord(key, self.report.launched_by)
+        yield
+        post.record.read_missing()
 
     def _attempt_failed(self, counted: Counter, e: Exception, key: str, message: str) -> None:
         """A compile attempt that raised `e`: the launches it counted are void (the report's counts

@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..kernels.family import eager_call_of, traceable_impl
 from ..kernels.launching import is_kernelgraft_kernel, traced_launches
-from . import recompute, residual
+from . import launch_record, recompute, residual
 
 
 def _static_cuda(v) -> bool:
@@ -420,8 +420,8 @@ class PostGradPass(CustomGraphPass):
     """kernelgraft's passes over inductor's post-grad graphs, after any the user set (`chained`):
     recomputed outputs made by the backward kernels (recompute.py), the residual stream's adds
     joined to the norms' kernels (residual.py), then the launches recorded
-    (launch_in_graph). `launches` (a Counter, the report's where given) counts what
-    launch_in_graph did; a graph inductor loads from its cache runs no pass and counts nothing."""
+    (launch_in_graph). `launches` (the report's Counter) counts what launch_in_graph did, through
+    `record` where set: a graph inductor loads from its cache runs no pass, and reads them back."""
 
     def __init__(
         self,
@@ -443,6 +443,7 @@ class PostGradPass(CustomGraphPass):
         self.launch = launch
         self.launches: Counter = launches if launches is not None else Counter()
         self.host_because = host_because  # without launches: why, counted per kernel call (None: not counted)
+        self.record = None  # the compile's launch_record.LaunchRecord
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.chained is not None:
@@ -452,14 +453,17 @@ class PostGradPass(CustomGraphPass):
         if self.fuse_residual:  # after the above: the backward's adds read its calls
             residual.add_into_norms(graph)
             residual.accumulate_into_gradients(graph)
-        if self.launch:
-            self.launches.update(launch_in_graph(graph))
-        elif self.host_because:
+        counts = launch_in_graph(graph) if self.launch else Counter()
+        if not self.launch and self.host_because:
             calls = sum(
                 1 for n in graph.nodes if n.op == "call_function" and traceable_impl(n.target) is not None
             )
             if calls:
-                self.launches[f"host: {self.host_because}"] += calls
+                counts[f"host: {self.host_because}"] += calls
+        if self.record is None:
+            self.launches.update(counts)
+        else:
+            self.record.counted(launch_record.part_of(graph), counts)
 
     def uuid(self):
         if get_hash_for_files is None:

@@ -295,6 +295,7 @@ def _run(compiled, model, *args, **kwargs):
     if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)
         rep.hooks_seen_at = rep.graphs
         _warn_backward_hooks(model)
+        _note_other_heads(model)
     # logits the fused LM head never made: the report confirms that this model withholds them
     return explain_markers(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
 
@@ -306,6 +307,31 @@ def _decodes(kwargs) -> bool:
         v is not None and (k in ("past_key_values", "cache") or hasattr(v, "get_seq_length"))
         for k, v in kwargs.items()
     )
+
+
+# forwards that libraries put on a model to fuse its LM head with the loss themselves:
+# (the function's name, a folder its file is in) -> who
+_OTHER_HEADS = {("_fused_forward", "trl"): "TRL's fused LM head (trl's add_fused_lm_head)"}
+
+
+def _note_other_heads(model) -> None:
+    """A forward put on the model (or a submodule) by a library that fuses the LM head with the
+    loss itself, as TRL's SFTTrainer does: said in the report, since kernelgraft's head then
+    never sees the logits and one fused head, theirs, runs."""
+    rep = model.kernelgraft_report
+    for name, mod in model.named_modules():
+        fn, seen = getattr(mod.__dict__.get("forward"), "__func__", None), 0
+        while fn is not None and seen < 8:  # through the wrappers around it (accelerate's mixed precision)
+            code, seen = getattr(fn, "__code__", None), seen + 1
+            folders = set(code.co_filename.replace("\\", "/").split("/")) if code is not None else set()
+            for (name_of, folder), who in _OTHER_HEADS.items():
+                note = (
+                    f"the LM head and its loss run in {who} on {name or '<top>'}: kernelgraft's lm_head_ce "
+                    "never sees the logits there, so one fused head runs, theirs"
+                )
+                if code is not None and code.co_name == name_of and folder in folders and note not in rep.notes:
+                    rep.notes.append(note)
+            fn = getattr(fn, "__wrapped__", None)
 
 
 def _warn_backward_hooks(model) -> None:

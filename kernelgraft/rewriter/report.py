@@ -183,6 +183,8 @@ class RewriteReport:
     # dynamo's graph breaks during explain's capture, by reason (graph_break_reasons): each piece
     # is captured and served on its own, and a site cut by a break is not seen whole
     graph_breaks: Counter = field(default_factory=Counter, repr=False, compare=False)
+    # what the report says of the model as a whole (another library's fused LM head on it)
+    notes: list = field(default_factory=list, repr=False, compare=False)
 
     def captures(self) -> list[str]:
         """The kinds of graph captured so far (CAPTURES' order), each with records or graphs."""
@@ -315,7 +317,7 @@ class RewriteReport:
 
     def _extras(self) -> list[str]:
         """What the report says of the whole model, not of one kind of graph."""
-        out = []
+        out = list(self.notes)
         if self.graph_breaks:
             out.append(
                 f"graph breaks ({sum(self.graph_breaks.values())}): the model was captured in pieces, each "

@@ -217,3 +217,24 @@ def test_trainer_with_lora_equals_the_stock_step(tmp_path):
     assert max_rel_diff({n: mine[n] for n in adapters}, {n: start[n] for n in adapters}) > 1e-3
     assert all(torch.equal(mine[n], start[n]) for n in start if n not in adapters)  # frozen
     assert max_rel_diff(mine, ref) < 1e-5, max_rel_diff(mine, ref)
+
+
+def test_trainer_torch_compile_flag_runs_kernelgrafts_graphs(tmp_path):
+    """TrainingArguments(torch_compile=True) around an optimized model: the Trainer's torch.compile
+    adds nothing, said once; the model runs its own graphs, every site served, and the step gives
+    the stock Trainer's parameters."""
+    import warnings
+
+    stock = tiny_model("llama")
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mine = train_one_step(grafted, 2, 1, tmp_path / "a", torch_compile=True)
+    said = [str(w.message) for w in caught if str(w.message).startswith("kernelgraft:")]
+    assert len(said) == 1 and "the outer torch.compile adds nothing" in said[0], said
+    counts = grafted.kernelgraft_report.counts()
+    assert {k: counts.get(k) for k in ("rms_norm", "rope", "gated_mlp", "lm_head_ce")} == {
+        "rms_norm": 5, "rope": 4, "gated_mlp": 2, "lm_head_ce": 1,
+    }  # fmt: skip
+    ref = train_one_step(copy.deepcopy(stock), 2, 1, tmp_path / "b")
+    assert max_rel_diff(mine, ref) < 1e-5, max_rel_diff(mine, ref)

@@ -49,8 +49,14 @@ _LOGGING_KEY = next(
 )
 
 
+# dynamo's recompile limits, per code object (their names differ between torch releases)
+_LIMITS = tuple(
+    k for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(torch._dynamo.config, k)
+)
+
+
 @contextlib.contextmanager
-def capture_settings():
+def capture_settings(models: int = 1):
     """Dynamo's settings while kernelgraft captures a model:
     - floats the model reads (a norm's eps, a logit scale) stay numbers in the graph: with
       dynamic shapes dynamo would make them inputs, and the patterns that take them as a Scalar
@@ -62,11 +68,15 @@ def capture_settings():
       set and reset again within one attention forward) runs once, in the forward, and is not
       replayed by the backward's recompute: otherwise dynamo leaves every checkpointed decoder layer
       out of the graph and none of its sites is served. Tensors are recomputed as before.
+    - dynamo's recompile limits are `models` times the user's: frames dynamo resumes after a graph
+      break are shared by every model in the process, and once one hits its limit dynamo runs
+      whichever compiled entry's guards pass, another model's too;
     Every forward of an optimized model runs inside it (any forward may capture): set with
     the config's closure patcher where torch has it (a few µs; `config.patch` took 40 µs a call)."""
     cfg = torch._dynamo.config
     key = _LOGGING_KEY
-    change, patch = _patcher(frozenset(getattr(cfg, key)) if key else frozenset(), logging_functions())
+    limits = tuple((k, getattr(cfg, k) * models) for k in _LIMITS) if models > 1 else ()
+    change, patch = _patcher(frozenset(getattr(cfg, key)) if key else frozenset(), logging_functions(), limits)
     if change is None:
         with cfg.patch(**patch):
             yield
@@ -79,11 +89,11 @@ def capture_settings():
 
 
 @functools.cache
-def _patcher(base: frozenset, logging_fns: frozenset):
+def _patcher(base: frozenset, logging_fns: frozenset, limits: tuple = ()):
     """(the closure patcher of capture_settings' changes or None, the changes) for the config's
-    current set of ignored logging functions `base`."""
+    current set of ignored logging functions `base` and the recompile limits to set."""
     cfg = torch._dynamo.config
-    patch = dict(specialize_float=True)
+    patch = dict(specialize_float=True, **dict(limits))
     if hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         patch["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     if _LOGGING_KEY is not None:
@@ -101,10 +111,7 @@ def room_for_recompiles():
     references capture the same code again and again (new dtypes, shapes, backends), and hitting
     the limit would silently turn a capture into an eager run."""
     cfg = torch._dynamo.config
-    keys = [
-        k for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(cfg, k)
-    ]
-    with cfg.patch(**{k: 1 << 20 for k in keys}):
+    with cfg.patch(**{k: 1 << 20 for k in _LIMITS}):
         yield
 
 

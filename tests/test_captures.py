@@ -54,9 +54,10 @@ def test_evaluation_and_generate_leave_training_graphs_alone(backend):
     assert verdict.ok, str(verdict)
 
 
-def test_a_kind_that_recompiles_replaces_only_its_own_records():
-    """A recapture of one kind (a new sequence length without dynamic shapes) stands for that kind's
-    earlier capture: counts do not double; the other kinds' records stay."""
+def test_a_kind_that_recompiles_counts_what_its_latest_call_ran():
+    """A recapture of one kind (a new sequence length without dynamic shapes) adds an entry beside
+    the first, as dynamo does: counts describe the latest call (they do not double), and the other
+    kinds' records stay."""
     mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", dynamic=False)
     for S in (12, 10):
         b = batch(S=S)
@@ -66,7 +67,11 @@ def test_a_kind_that_recompiles_replaces_only_its_own_records():
     rep = mine.kernelgraft_report
     assert rep.counts(graph="training") == FULL, str(rep)
     assert rep.graphs_by["training"] == 2 and rep.graphs_by["evaluation"] == 2
-    assert len([s for s in rep.sites if s.capture == "training"]) == sum(FULL.values())
+    assert len(rep.of("training").sites) == sum(FULL.values())
+    assert len([s for s in rep.sites if s.capture == "training"]) == 2 * sum(FULL.values())
+    # output_hidden_states=True is another capture of the same frame: the counts do not double
+    mine(**batch(S=10), output_hidden_states=True).loss.backward()
+    assert rep.counts(graph="training") == FULL and rep.counts() == FULL, str(rep)
 
 
 def test_an_unknown_kind_of_graph_is_refused():

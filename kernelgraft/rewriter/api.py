@@ -16,6 +16,7 @@ from .._dynamo import capture_settings, fresh_entry
 from ..kernels.fallback import warn_once
 from ..kernels.lm_head import explain_markers
 from ..options import Options
+from . import runs
 from .backend import DECODING, Grafter
 from .report import RewriteReport, graph_break_reasons
 
@@ -126,6 +127,8 @@ def optimize(
         wrapper=wrapper,
     )
     grafter = Grafter(patterns=patterns, options=options, heads=output_heads(model))
+    runs.LIVE.add(grafter)
+    runs.watch()
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
@@ -285,12 +288,19 @@ def _call(compiled, model, *args, **kwargs):
 
 
 def _run(compiled, model, *args, **kwargs):
-    decoding = DECODING.set(_decodes(kwargs))
+    grafter = compiled.grafter
+    decodes = _decodes(kwargs)
+    decoding, caller, before = DECODING.set(decodes), runs.CALLER.set(grafter), runs.runs(grafter)
     try:
-        with capture_settings():  # floats as numbers, hooks guarded, logging calls no graph break
+        # floats as numbers, hooks guarded, logging calls no graph break, room for every live model
+        with capture_settings(models=_pow2(len(runs.LIVE))):
             out = compiled(model, *args, **kwargs)
     finally:
         DECODING.reset(decoding)
+        runs.CALLER.reset(caller)
+    runs.check(grafter, model, before, args, kwargs)
+    kind = "training" if torch.is_grad_enabled() else ("decoding" if decodes else "evaluation")
+    runs.times(grafter, before, kind)
     rep = model.kernelgraft_report
     if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)
         rep.hooks_seen_at = rep.graphs
@@ -298,6 +308,11 @@ def _run(compiled, model, *args, **kwargs):
         _note_other_heads(model)
     # logits the fused LM head never made: the report confirms that this model withholds them
     return explain_markers(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
+
+
+def _pow2(n: int) -> int:
+    """The power of two at or above n (the recompile limits' factor changes only as models double)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _decodes(kwargs) -> bool:
@@ -404,9 +419,10 @@ def explain(model: torch.nn.Module, *args, patterns=None, **kwargs) -> RewriteRe
     grafter = Grafter("eager", patterns, dry_run=True, training=True, heads=output_heads(model))
     from torch._dynamo.utils import counters  # import here: dynamo's, read around the capture
 
-    before = Counter(counters["graph_break"])
+    before, ran = Counter(counters["graph_break"]), runs.runs(grafter)
     with torch.no_grad(), capture_settings():
         torch.compile(fresh_entry("explain"), backend=grafter)(model, *args, **kwargs)
+    runs.times(grafter, ran, "training")  # a frame resumed after a graph break runs once per layer
     grafter.report.graph_breaks = graph_break_reasons(Counter(counters["graph_break"]) - before)
     if grafter.report.graphs == 0:
         raise RuntimeError(

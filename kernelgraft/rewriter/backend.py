@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..kernels.fallback import warn_once
 from ..options import Options
 from ..patterns import REGISTRY, Registry, Spelling
-from . import attention, ddp, launch_record, lowering
+from . import attention, ddp, launch_record, lowering, runs
 from .pipeline import graft
 from .report import RewriteReport
 
@@ -81,6 +81,10 @@ class Grafter:
         self.training = training
         self.heads = heads  # the model's output embeddings' paths (api.output_heads)
         self.report = RewriteReport()
+        self.runs = self.foreign_runs = 0  # runs of its compiled graphs; others' run in its model's calls
+        self.limit_hits: list[str] = []  # dynamo's recompile limits hit in its model's calls
+        self.graph_runs: list[int] = []  # runs of each compiled graph (runs.counted), by their order
+        self.graph_keys: list = []  # and the capture each belongs to
         self._grafted_whole = False  # set while DDP's pieces of an already grafted graph come in
         ddp.install()
 
@@ -109,6 +113,11 @@ class Grafter:
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        frame = _frame_id()
+        key = frame if frame is not None else self.report.graphs  # as report.extend keys its records
+        return runs.counted(self, self._compile(gm, example_inputs), key)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs):
         if self._grafted_whole:
             return self._lower(gm, example_inputs)
         # a copy of the graph as captured, for the calls whose masks fail their run-time check

@@ -185,6 +185,11 @@ class RewriteReport:
     graph_breaks: Counter = field(default_factory=Counter, repr=False, compare=False)
     # what the report says of the model as a whole (another library's fused LM head on it)
     notes: list = field(default_factory=list, repr=False, compare=False)
+    # per kind of graph: how many times each capture's graph ran in the latest call (runs.times);
+    # a capture not listed ran once
+    per_call: dict = field(default_factory=dict, repr=False, compare=False)
+    # calls that ran stock code or another model's graphs, by their tensors' shapes, with why (runs.py)
+    stock_runs: list = field(default_factory=list, repr=False, compare=False)
 
     def captures(self) -> list[str]:
         """The kinds of graph captured so far (CAPTURES' order), each with records or graphs."""
@@ -193,62 +198,69 @@ class RewriteReport:
 
     def by_graph(self) -> dict[str, RewriteReport]:
         """The report split by kind of graph: {"training": ..., "evaluation": ..., "decoding": ...},
-        the kinds captured so far, each a report of its own records."""
+        the kinds captured so far, each a report of the records of the graphs that run now."""
         return {k: self.of(k) for k in self.captures()}
 
     def of(self, capture: str) -> RewriteReport:
-        """The records of one kind of graph ("training", "evaluation" or "decoding"), as a report."""
+        """The records of one kind of graph ("training", "evaluation" or "decoding"), as a report:
+        those of the graphs the latest call of that kind ran (all of them before any such call)."""
         if capture not in CAPTURES and capture != "":
             raise ValueError(f"kernelgraft: no kind of graph {capture!r}; the kinds are {', '.join(CAPTURES)}")
         part = RewriteReport(graphs=self.graphs_by[capture] if self.graphs_by else self.graphs)
+        ran = self.per_call.get(capture)
         for name in _RECORDS:
-            setattr(part, name, [r for r in getattr(self, name) if r.capture == capture])
+            kept = [r for r in getattr(self, name) if r.capture == capture and (not ran or r.graph in ran)]
+            setattr(part, name, kept)
         part.graphs_by = Counter({capture: part.graphs})
+        part.per_call = {capture: ran} if ran else {}
         return part
 
+    def times(self, record) -> int:
+        """How many times the graph holding `record` ran in the latest call of its kind (a frame
+        dynamo resumes after a graph break runs once per layer): its kernels launch that often."""
+        return self.per_call.get(record.capture, {}).get(record.graph, 1)
+
     def counts(self, graph: str | None = None) -> dict[str, int]:
-        """Pattern name -> number of sites replaced (whose kernels run now) in one forward: of the
-        kind of graph `graph` names ("training", "evaluation", "decoding"), or, by default, of
-        whichever kind serves that pattern most (a training step's, once the model has trained)."""
+        """Pattern name -> number of sites whose kernels run (replaced, and not failed since) in one
+        call of the model: of the kind of graph `graph` names ("training", "evaluation",
+        "decoding"), or, by default, of whichever kind serves that pattern most (a training
+        step's, once the model has trained). A call is the latest of its kind: the graphs it ran,
+        each as many times as it ran (the graph of a frame resumed after a graph break once per
+        layer); before any call, every graph captured, once."""
         if graph is not None:
-            return self.of(graph).counts()
-        kinds = self.captures()
-        if len(kinds) > 1:
-            best: Counter = Counter()
-            for k in kinds:
-                for pattern, n in self.of(k).counts().items():
-                    best[pattern] = max(best[pattern], n)
-            return dict(best)
-        return dict(Counter(s.pattern for s in self.sites if s.replaced))
+            part = self.of(graph)
+            counted: Counter = Counter()
+            for s in part.sites:
+                if s.replaced:
+                    counted[s.pattern] += part.times(s)
+            return dict(counted)
+        best: Counter = Counter()
+        for k in self.captures():
+            for pattern, n in self.counts(graph=k).items():
+                best[pattern] = max(best[pattern], n)
+        return dict(best)
 
     def fell_back_at_run_time(self) -> list[SiteRecord]:
         """Sites the rewrite replaced whose kernel then failed at run time: they run stock code."""
         return [s for s in self.sites if not s.replaced]
 
     def launches(self) -> int:
-        """Kernel launches per forward (of the kind of graph with the most): one per site, one per
-        pair of paired sites."""
-        kinds = self.captures()
-        if len(kinds) > 1:
-            return max(self.of(k).launches() for k in kinds)
-        live = [s for s in self.sites if s.replaced]
-        return len(live) - sum(s.paired for s in live) // 2
+        """Kernel launches per call (of the kind of graph with the most): one per site, one per pair
+        of paired sites, each as often as its graph runs."""
+        most = 0
+        for k in self.captures():
+            part = self.of(k)
+            live = [s for s in part.sites if s.replaced]
+            n = sum(part.times(s) for s in live) - sum(part.times(s) for s in live if s.paired) // 2
+            most = max(most, n)
+        return most
 
     def extend(self, other: RewriteReport, frame=None, capture: str = "") -> None:
         """Add one capture's records. frame: (dynamo's frame id, its compile number); capture: the
-        kind of graph (CAPTURES). A recapture of the same frame as the same kind of graph (a
-        recompile: new shapes, new guards) replaces that frame's records of that kind, so counts()
-        describe the code that runs now; a capture of another kind (an evaluation after training)
-        keeps its own; graphs of one compile (DDP's graph split at its buckets, each piece handed
-        to the backend) add up."""
-        if frame is not None:
-
-            def stale(r) -> bool:
-                same_frame = isinstance(r.graph, tuple) and r.graph[0] == frame[0]
-                return same_frame and r.capture == capture and r.graph != frame
-
-            for name in _RECORDS:
-                setattr(self, name, [r for r in getattr(self, name) if not stale(r)])
+        kind of graph (CAPTURES). Every capture's records are kept (a recompile for new shapes or
+        another layer adds an entry dynamo keeps too); what the model's latest call of a kind ran
+        picks the ones its views and counts() describe. Graphs of one compile (DDP's graph split
+        at its buckets, each piece handed to the backend) share their key."""
         key = frame if frame is not None else self.graphs
         for name in _RECORDS:
             for r in getattr(other, name):
@@ -262,6 +274,7 @@ class RewriteReport:
         the count of captures stays."""
         for name in _RECORDS:
             setattr(self, name, [])
+        self.per_call = {}
 
     def add(self, other: RewriteReport) -> None:
         """other's records into this capture's (a region of it grafted on its own)."""
@@ -271,7 +284,8 @@ class RewriteReport:
     def __str__(self) -> str:
         kinds = self.captures()
         if len(kinds) <= 1:
-            return "\n".join(self._lines(self._headline()))
+            part = self.of(kinds[0]) if kinds else self
+            return "\n".join(part._lines(part._headline()) + self._extras())
         out = [f"kernelgraft: {self.graphs} graph(s), by kind: " + ", ".join(
             f"{k} {self.graphs_by[k]}" for k in kinds
         )]
@@ -285,7 +299,8 @@ class RewriteReport:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items())) or "none"
         lost = self.fell_back_at_run_time()
         return (
-            f"kernelgraft: {len(self.sites) - len(lost)} site(s) replaced in {self.graphs} graph(s) ({counts})"
+            f"kernelgraft: {sum(self.times(s) for s in self.sites if s.replaced)} site(s) replaced"
+            f" in {self.graphs} graph(s) ({counts})"
             + (f"; {len(lost)} fell back at run time (their kernels failed: stock code runs)" if lost else "")
         )
 
@@ -293,6 +308,9 @@ class RewriteReport:
         """This report's records as text under `headline` (each kind's section of a split report)."""
         out = [headline]
         rows = [s.row() for s in self.sites + self.fallbacks]
+        for row, s in zip(rows, self.sites):
+            if self.times(s) > 1:
+                row[-1] += f" (x{self.times(s)}: its graph runs {self.times(s)} times a call)"
         if rows:
             out.append(_table(["pattern", "module", "shapes", "dtypes", "scalars", "status"], rows))
         if self.near_misses:
@@ -311,13 +329,14 @@ class RewriteReport:
         if self.masks_kept:
             out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
             out += _items(f"{r.module}: {r.reason}" for r in self.masks_kept)
-        if len(self.captures()) <= 1:
-            out += self._extras()
         return out
 
     def _extras(self) -> list[str]:
         """What the report says of the whole model, not of one kind of graph."""
         out = list(self.notes)
+        if self.stock_runs:
+            out.append(f"calls that did not run what kernelgraft compiled ({len(self.stock_runs)}):")
+            out += _items(self.stock_runs)
         if self.graph_breaks:
             out.append(
                 f"graph breaks ({sum(self.graph_breaks.values())}): the model was captured in pieces, each "

@@ -3,6 +3,7 @@ ops, so that every spelling of the same math reads the same to the matcher. Call
 primitives are looked up in the table (primitives.py); the structural ops (casts, views, halves,
 concatenation, linear, cross_entropy) are lowered here; the rewrite rules (rules.py) then bring each
 node to one spelling (x*x and x.pow(2) -> square, 1/sqrt -> rsqrt, cat(-x2, x1) -> rotate_half).
+A row split in two (slices, chunk, split, tensor_split) is two `half` nodes (ir/indexing.py).
 Views: one to the same shape is dropped; one that merges the leading dims and keeps the last
 (view(-1, V), reshape, flatten(0, 1), sizes) is one node, flatten_rows, however spelled; `.contiguous()`
 is dropped (the values are the same); a slice of the leading dims is row_slice.
@@ -33,7 +34,7 @@ from .decompose import (
     vector_norm,
 )
 from .graph import CGraph, CNode, DtypeOf
-from .indexing import VIEWS, half_of, pairs_of, row_index, units_read_by_rows, view_kind
+from .indexing import VIEWS, half_of, pairs_of, row_index, split_in_two, units_read_by_rows, view_kind
 from .primitives import PRIMITIVES
 from .rules import apply_rules
 
@@ -124,8 +125,8 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
             return b.new("last_dim", (args[0].args[0],), fx=n)
         if args[0].op == "shape_of" and args[1] == slice(-1, None, None):  # x.shape[-1:]
             return b.new("last_shape", (args[0].args[0],), fx=n)
-        if args[0].op == "chunk2" and args[1] in (0, 1):
-            return b.new("half", (args[0].args[0],), (("part", args[1]),), fx=n)
+        if args[0].op == "chunk2" and args[1] in (0, 1):  # an odd width's halves keep its `first`
+            return b.new("half", (args[0].args[0],), (("part", args[1]), *args[0].attrs), fx=n)
         rows = row_index(args[0], args[1])
         if rows is not None:
             return b.new("row_slice", (args[0],), (("index", rows),), fx=n)
@@ -168,13 +169,9 @@ def _lower_fx_node(b: _Builder, n: torch.fx.Node) -> CNode:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if dim == -1 or (dim is not None and _rank(n.meta.get("example_value")) == dim + 1):
             return b.new("cat2", tuple(args[0]), fx=n)
-    if (
-        target in (torch.chunk, "chunk")
-        and len(args) >= 2
-        and args[1] == 2
-        and (args[2] if len(args) > 2 else kwargs.get("dim", 0)) == -1
-    ):
-        return b.new("chunk2", (args[0],), fx=n)
+    two = split_in_two(b, n, target, args, kwargs)  # chunk(2, -1), split, tensor_split: two halves
+    if two is not None:
+        return two
     if target in (F.linear, torch._C._nn.linear) and len(args) >= 2:
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         ins = args[:2] if bias is None else [*args[:2], bias]  # linear(h, W) or linear(h, W, b)

@@ -1,10 +1,18 @@
 """Indexing and views as the canonicalizer reads them: the halves and the (even, odd) pairs of a row,
 a slice of the leading dims, and the view algebra (a view to the same shape, or one that merges the
-leading dims and keeps the last: the same rows)."""
+leading dims and keeps the last: the same rows).
+
+A row split in two (x[..., :h] and x[..., h:], chunk(2, -1), split, tensor_split) is two `half`
+nodes, part 0 and 1, wherever the parts are as wide or differ by one column (an odd width: 8 and 7
+of 15 for chunk, 7 and 8 for slices at 15 // 2). At an odd width each half also records the first
+part's width (`first`): no pattern's halves carry it, so only a rotation reading both halves of one
+split (rewritten to rotate_half, which keeps no width) still matches, and the kernels then refuse
+the odd width (kernels/spec.py, halves_refusal) instead of reading two equal halves that are not."""
 
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .graph import CNode
 from .primitives import PRIMITIVES
@@ -25,12 +33,70 @@ def half_of(b, n, x: CNode, index) -> CNode | None:
         bound = b.of_fx.get(bound)
     if part == 1 and s.stop is not None:
         return None
+    attrs = (("part", part),)
     if isinstance(bound, CNode):
         ok = bound.op == "half_dim" and bound.args[0] is x
     else:
         meta = x.meta
         ok = isinstance(bound, int) and meta is not None and meta.shape[-1] == 2 * bound
-    return b.new("half", (x,), (("part", part),), fx=n) if ok else None
+        if not ok and isinstance(bound, int) and meta is not None and meta.dim():
+            width = static_int(meta.shape[-1])
+            if width is not None and abs(width - 2 * bound) == 1:  # an odd width, split at its middle
+                ok, attrs = True, (*attrs, ("first", bound))
+    return b.new("half", (x,), attrs, fx=n) if ok else None
+
+
+def static_int(v) -> int | None:
+    """v as an int where it is one (a size dynamo recorded, or a symbol fixed to a number), else None."""
+    if isinstance(v, int):
+        return v
+    if isinstance(v, torch.SymInt) and is_concrete_int(v):
+        return int(v)
+    return None
+
+
+_SPLITS = {"chunk": "chunk", torch.chunk: "chunk", "split": "split", torch.split: "split"}
+_SPLITS |= {"tensor_split": "tensor_split", torch.tensor_split: "tensor_split"}
+
+
+def split_in_two(b, n, target, args, kwargs) -> CNode | None:
+    """x.chunk(2, -1), x.tensor_split(2, -1), x.split(h, -1) or x.split([h, D - h], -1) (methods or
+    torch functions) -> chunk2(x), whose getitem 0 and 1 are half(x, part). In a model graph the parts
+    dynamo recorded decide: two, as wide or one column apart (an odd width: `first`, the first
+    part's width, on the node; see the module's docstring); with a symbolic width, chunk and
+    tensor_split, whose parts are the two halves at every width. In a traced pattern: chunk and
+    tensor_split into 2, or split at `x.shape[-1] // 2`."""
+    kind = _SPLITS.get(target)
+    if kind is None or not args or not isinstance(args[0], CNode):
+        return None
+    x = args[0]
+    sections = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("split_size"))
+    if kind != "split" and len(args) <= 1:
+        sections = kwargs.get("chunks", kwargs.get("sections", kwargs.get("indices")))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    meta = x.meta
+    if not (dim == -1 or (meta is not None and isinstance(dim, int) and dim == meta.dim() - 1)):
+        return None
+    if isinstance(sections, list):
+        sections = tuple(sections)
+    halving = isinstance(sections, CNode) and sections.op == "half_dim" and sections.args[0] is x
+    if meta is None:  # a traced pattern: the halves of any width it will meet
+        ok = (kind != "split" and sections == 2) or (kind == "split" and halving)
+        return b.new("chunk2", (x,), fx=n) if ok else None
+    parts = n.meta.get("example_value")
+    if not isinstance(parts, (tuple, list)) or len(parts) != 2:
+        return None
+    if not all(isinstance(p, torch.Tensor) for p in parts):
+        return None
+    w0, w1 = (static_int(p.shape[-1]) if p.dim() else None for p in parts)
+    if w0 is None or w1 is None:  # a symbolic width: the parts are the halves only by their definition
+        ok = (kind != "split" and sections == 2) or halving
+        return b.new("chunk2", (x,), fx=n) if ok else None
+    if w0 == w1:
+        return b.new("chunk2", (x,), fx=n)
+    if abs(w0 - w1) == 1:
+        return b.new("chunk2", (x,), (("first", w0),), fx=n)
+    return None
 
 
 def pairs_of(b, n, x: CNode, index) -> CNode | None:

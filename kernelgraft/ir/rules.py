@@ -116,6 +116,7 @@ def _rotates(a, b, parts: str = "half", back: bool = False) -> bool:
         and _is(b, parts)
         and b.attr("part") == plain
         and a.args[0].args[0] is b.args[0]
+        and a.args[0].attr("first") == b.attr("first")  # both of one split (an odd width's: one split point)
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from ..ir import PRIMITIVES, CNode, DtypeOf
 from ..ir.sym import RoundBF16, RoundF16, round_to
@@ -130,6 +131,52 @@ def halves_of_pairs(g) -> tuple[set, set] | None:
         if n.op == "input" and n.attr("kind") != "scalar" and n.attr("name") not in names
     }
     return names, others
+
+
+# the ops that read a row as two equal parts: its halves, or its even and odd columns
+_HALVES = {"half": "halves", "rotate_half": "halves", "pairs": "pairs", "rotate_pairs": "pairs"}
+_PARTS = {"halves": "two halves", "pairs": "its even and odd columns"}
+
+
+def halves_refusal(spelling, metas: dict) -> str | None:
+    """Why the kernel of a spelling that reads a tensor's rows in two parts (x[..., :D/2], chunk(x, 2,
+    -1), rotate_half, x[..., ::2]) cannot serve tensors of these widths (metas: argument -> value as
+    dynamo recorded it), or None. The kernel reads two equal parts, the column read at (k + N/2) mod
+    N or at its pair's; an odd width splits in two unequal ones (chunk: 8 and 7 of 15), and a
+    symbolic width may be odd at run time.
+
+    >>> import torch, kernelgraft
+    >>> sp = kernelgraft.patterns.REGISTRY.get("rope", "rotate_half")
+    >>> halves_refusal(sp, {"x": torch.empty(2, 16), "cos": torch.empty(16), "sin": torch.empty(16)}) is None
+    True
+    >>> halves_refusal(sp, {"x": torch.empty(2, 15), "cos": torch.empty(15), "sin": torch.empty(15)}).split(":")[0]
+    '`x` is 15 wide'
+    """
+    for n in spelling.canonical().nodes:
+        parts = _HALVES.get(n.op)
+        x = n.args[0] if parts else None
+        if isinstance(x, CNode) and x.op == "cast":
+            x = x.args[0]
+        if not (isinstance(x, CNode) and x.op == "input"):
+            continue  # halves of a computed value: build_spec refuses those
+        name = x.attr("name")
+        t = metas.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            continue
+        N = t.shape[-1]
+        width = N if isinstance(N, int) else (int(N) if is_concrete_int(N) else None)
+        if width is None and not statically_known_true(N % 2 == 0):
+            return (
+                f"`{name}` has a symbolic width {N} (dynamic shapes): the kernel reads its rows as {_PARTS[parts]} "
+                "of equal width, which an odd width is not, and the width is not known when the graph is "
+                "captured; the site runs the stock code (torch._dynamo.mark_static on its last dim serves it)"
+            )
+        if width is not None and width % 2:
+            return (
+                f"`{name}` is {width} wide: the kernel reads its rows as {_PARTS[parts]} of equal width, and "
+                f"an odd width has them {width // 2 + 1} and {width // 2} wide; the site runs the stock code"
+            )
+    return None
 
 
 def _odd_rounding(e):

@@ -11,6 +11,7 @@ import torch
 
 from ..fallback import generation_failed
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
+from ..spec import halves_refusal
 from . import layout
 from .build import MAX_N, MAX_ROWS, RowKernel, rounds_for, row_kernel
 from .codegen import backward_source, forward_source
@@ -33,6 +34,9 @@ class RowFamily(Family):
         N = first.shape[-1] if first.dim() else 1
         if isinstance(N, int) and N > MAX_N:
             return f"rows of {N} elements; generated kernels serve at most {MAX_N}"
+        why = halves_refusal(spelling, metas)  # an odd width's halves are not two equal ones
+        if why:
+            return why
         try:
             lay = layout.layout(spelling, metas)
             if isinstance(lay.M, int) and lay.M > MAX_ROWS:

@@ -433,3 +433,63 @@ def test_lm_head_gradients_keep_their_bits_when_h_and_the_weight_are_stored_tran
     runs = [compare(sp, _layout(base, lay), op_for(sp), compile_ref=False) for lay in ("contiguous", "transposed")]
     for (what, _, kc, _, _), (_, _, kt, _, _) in zip(*runs):
         assert torch.equal(kc, kt), what
+
+
+# a CUDA process that trains the tiny Llama a step, then meets a label outside its vocabulary: what
+# reaches the host is printed (a device-side assert poisons the process's CUDA context: its own process)
+_BAD_LABEL_STEP = """
+import sys
+import torch
+import kernelgraft
+from tiny import VOCAB, batch, tiny_model
+backend = sys.argv[1]
+model = kernelgraft.optimize(tiny_model("llama", torch.float32, device="cuda"), backend=backend)
+b = batch(B=2, S=16, device="cuda")
+model(**b).loss.backward()
+torch.cuda.synchronize()
+print("SERVED", model.kernelgraft_report.counts().get("lm_head_ce"))
+b["labels"] = b["labels"].clone()
+b["labels"][0, 5] = VOCAB
+try:
+    model(**b).loss.backward()
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("RAISED", " ".join(str(e).split()))
+else:
+    print("NOTHING RAISED")
+"""
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_label_outside_the_vocabulary_is_a_device_assert(backend):
+    """On CUDA the fused LM head checks its labels on the device, as torch's own loss kernel does: a
+    device-side assert, a RuntimeError at the next synchronization (the CPU's IndexError is
+    tests/test_bad_labels.py's), after one reduction of the labels and no host read, in the launcher
+    the eager backend calls and in the launches traced into inductor's graph alike."""
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    r = subprocess.run(
+        [sys.executable, "-c", _BAD_LABEL_STEP, backend], capture_output=True, text=True, timeout=600, cwd=here
+    )
+    out = r.stdout + r.stderr
+    assert "SERVED 1" in r.stdout, out
+    assert "RAISED" in r.stdout and "device-side assert" in r.stdout, out
+
+
+def test_the_label_check_reads_nothing_on_the_host():
+    """The check itself, on valid labels and the ignore index, under CUDA's sync debug mode set to raise
+    on any host read of a device value (tests/test_gpu_launch.py runs a whole step so)."""
+    from kernelgraft.kernels.lm_head.kernel import check_labels
+
+    t = torch.randint(0, 128, (4096,), device="cuda")
+    t[::7] = -100
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check_labels(t, 128, -100)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

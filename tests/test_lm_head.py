@@ -252,9 +252,13 @@ def test_no_gradients_no_work():
 
 def test_label_out_of_range_is_loud():
     sp, args = make_args("hf_mean", 8, 16, 40, torch.float32, ignore_every=0)
-    args[2][3] = 40  # outside [0, V): PyTorch raises; the fused op gives NaN, never a finite wrong loss
-    loss = op_for(sp)(*args)
-    gh, gw = torch.autograd.grad(loss, args[:2])
+    args[2][3] = 40  # outside [0, V): the op raises as PyTorch does (tests/test_bad_labels.py has more)
+    with pytest.raises(IndexError, match="Target 40 is out of bounds"):
+        op_for(sp)(*args)
+    # unchecked, the kernel gives that row a NaN loss and NaN gradients, never a finite wrong one
+    h, w, t, ii = args
+    with torch.no_grad():  # as the op calls it
+        loss, gh, gw, _ = lm_kernel.forward(sp, h, w, t, None, [], ii, True, True, 0, "fp32", "autograd", check=False)
     assert loss.isnan() and gh[3].isnan().all() and gw.isnan().any()
     assert not gh[2].isnan().any()  # the other rows' own gradient terms are unaffected
 

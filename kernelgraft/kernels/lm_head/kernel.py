@@ -26,7 +26,8 @@ Weight-gradient accumulation over chunks (`accumulate`):
              the number of chunks (bf16: 1.04x eager's at 8192 x 4096 x 128256 on an H200, 8
              chunks; 1.25x on the CPU test's small shapes, 16 chunks).
 The gradients made in the forward wait for the backward outside the autograd graph (`_STASH`), so
-the backward hands them out without a copy.
+the backward hands them out without a copy. A label neither in the vocabulary nor the ignore index
+is refused before the first launch, as F.cross_entropy refuses it (check_labels).
 """
 
 from __future__ import annotations
@@ -252,10 +253,13 @@ def forward(
     memory: float = 0.0,
     bias: torch.Tensor | None = None,
     needs_b: bool = False,
+    check: bool = True,
 ):
     """-> (loss, dh, dW, db): the gradients for a loss gradient of `grad_scale` (a number, or a
     tensor of one value on the device), empty where not needed (db: where there is no bias or
-    needs_b is False). chunk, accumulate, memory: see plan().
+    needs_b is False). chunk, accumulate, memory: see plan(). check: the labels are checked
+    (check_labels); a backward that makes the gradients again, after a forward that checked
+    them, passes False.
 
     Traced for inductor (launching.traced_launches), the same launches and matmuls are recorded
     without out= or in-place ops, which a compiled graph does not take: h's gradient is the chunks'
@@ -285,6 +289,8 @@ def forward(
     T = h2.shape[0]
     if t.numel() != T:
         raise ValueError(f"{spelling.qualname}: {t.numel()} labels for {T} hidden rows")
+    if check:
+        check_labels(t, V, int(ignore_index))
     if traced and T == 0:
         raise NotTraceable("no tokens: nothing to launch")
     needs_b = needs_b and bias is not None
@@ -374,6 +380,29 @@ def forward(
         dW = dW.to(W.dtype) if traced else narrow_in_place(dW, W.dtype)
     db = db.to(bias.dtype) if needs_b else db
     return loss.to(tf.out_dtype), dh.view(h.shape) if needs_h else dh, dW, db
+
+
+def check_labels(t: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Raise, as F.cross_entropy does, where a label is neither in [0, V) nor the ignore index (the
+    kernel would give its row a NaN loss and NaN gradients). On the CPU an IndexError naming the
+    label and the vocabulary; on a GPU a device-side assert over one reduction of the labels, as
+    torch's own CUDA loss reports it: a RuntimeError at the next synchronization, and no host sync
+    on the way (traced for inductor, the assert is recorded in the compiled graph)."""
+    if t.device.type == "cpu":
+        bad = t[(t != ignore_index) & ((t < 0) | (t >= V))]
+        if bad.numel():
+            raise IndexError(
+                f"Target {int(bad[0])} is out of bounds: the fused LM head's labels are classes of its "
+                f"vocabulary of {V} (0 to {V - 1}) or the ignore index {ignore_index}; fix the labels, or "
+                "the vocabulary size the model was built with"
+            )
+        return
+    ok = ((t >= 0) & (t < V)) | (t == ignore_index)
+    torch._assert_async(
+        ok.all(),
+        f"kernelgraft: a target is out of bounds: the fused LM head's labels are classes of its vocabulary "
+        f"of {V} (0 to {V - 1}) or the ignore index {ignore_index}",
+    )
 
 
 def _weight_grad(dW, z, hc, first: bool, out_fp32: bool, upcast: bool, traced: bool):

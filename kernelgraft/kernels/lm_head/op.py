@@ -150,7 +150,8 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
             graph, tf_scalars = transform_graph(sp)
         return named, needs, how
 
-    def run(args, grad_scale=1.0):
+    def run(args, grad_scale=1.0, check=True):
+        """check: the labels are checked (the forward; a backward making the gradients again does not)."""
         named, needs, how = unpack(args)
         W = named["weight"]
         if has_failed(kernel_name(sp, W.dtype, rounding), W.device.type):
@@ -158,11 +159,11 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
                 raise NotTraceable(f"{kernel_name(sp, W.dtype, rounding)} failed in this process")
             return reference(sp, named, needs, grad_scale)
         try:
-            return fused(named, needs, how, grad_scale)
+            return fused(named, needs, how, grad_scale, check)
         except KernelFailed:
             return reference(sp, named, needs, grad_scale)
 
-    def fused(named, needs, how, grad_scale):
+    def fused(named, needs, how, grad_scale, check):
         chunk, accumulate, memory = how
         return forward(
             sp,
@@ -181,6 +182,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
             memory=memory,
             bias=named.get("bias"),
             needs_b=needs[2],
+            check=check,
         )
 
     def impl(*args):
@@ -210,7 +212,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
 
     def bwd_impl(g, ticket, *args):
         if deferred:  # g stays on the device: folded in where the softmax gradient rounds
-            _, *grads = run(args, grad_scale=g)
+            _, *grads = run(args, grad_scale=g, check=False)
             return tuple(grads)
         return stashed_bwd(g, ticket, *args)
 
@@ -229,7 +231,7 @@ def _define(sp, name: str, rounding: str, deferred: bool = False) -> LMHeadOp:
                     t.mul_(gv)
             return got
         del got
-        _, *grads = run(args, grad_scale=gv)
+        _, *grads = run(args, grad_scale=gv, check=False)
         return tuple(grads)
 
     def bwd_fake(g, ticket, *args):

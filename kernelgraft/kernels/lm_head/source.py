@@ -40,8 +40,8 @@ def {name}(z_ptr, z_s0, t_ptr, loss_ptr, scale_ptr, {sc}V, ignore_index, GRAD: t
 {pin}    row = tl.program_id(0).to(tl.int64)
     t = tl.load(t_ptr + row).to(tl.int64)
     valid = t != ignore_index
-    # the target's logit, read once. A label outside [0, V) (PyTorch raises there; checking would
-    # cost a host sync per call) gives a NaN loss and NaN gradients for its row: loud, never wrong
+    # the target's logit, read once. A label outside [0, V) is refused before the launch (an
+    # IndexError on the CPU, a device-side assert on a GPU); here it gives its row a NaN loss
     inside = valid & (t >= 0) & (t < V)
     zt = tl.load(z_ptr + row * z_s0 + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
     yt = {name}_y(zt, {sc})

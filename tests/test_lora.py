@@ -372,6 +372,28 @@ def test_unserved_adapters_are_reported_with_why():
     assert [f.reason for f in rep.fallbacks] == ["rank 300; the kernels serve ranks up to 256"] * 2, str(rep)
 
 
+def test_every_active_adapter_of_a_layer_is_served_or_reported():
+    """Two active adapters on a layer of a float32 model: the one whose sum the layer casts back is
+    served; the other runs stock code, and the report says so, naming the layer and the adapter."""
+    from peft import LoraConfig
+
+    two = _lora("llama", torch.float32, target_modules=["q_proj", "v_proj"])
+    two.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    two.base_model.set_adapter(["default", "second"])
+    rep = kernelgraft.explain(two, **batch())
+    layers = [n for n, _ in two.named_modules() if n.endswith(("q_proj", "v_proj")) and ".lora_" not in n and n.count(".") > 4]
+    assert len(layers) == 4
+    served = {(s.module, s.shapes["lora_a"][0]) for s in rep.sites if s.pattern == "lora"}
+    said = {(u.module, u.cls) for u in rep.unserved if u.kind == "lora"}
+    for layer in layers:
+        ranks = {r for m, r in served if m == layer}
+        names = {c for m, c in said if m == layer}
+        # rank 8 is "default", rank 4 "second": each either served or reported
+        assert ranks | {8 if c == "adapter 'default'" else 4 for c in names} == {8, 4}, (layer, ranks, names)
+    assert rep.counts()["lora"] == 4 and len(said) == 4, str(rep)
+    assert all("run stock code" in u.reason for u in rep.unserved if u.kind == "lora")
+
+
 @pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
 def test_dora_merged_adapters_and_an_lm_head_in_modules_to_save():
     """DoRA: peft's DoRA forward breaks dynamo's graph at the adapted layers (on torch 2.13 it calls

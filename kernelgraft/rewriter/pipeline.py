@@ -247,6 +247,37 @@ def unserved(g: Graft) -> None:
     if g.training and g.heads and not any(p == "lm_head_ce" for _, p in records):
         g.report.unserved += _unserved_heads(g)
     g.report.unserved += _logits_read(g)
+    g.report.unserved += _unserved_adapters(g)
+
+
+# a peft adapter's first projection, as named_modules names it: "<layer>.lora_A.<adapter>"
+_ADAPTER = re.compile(r"^(?P<layer>.+)\.lora_A\.(?P<name>[^.]+)$")
+
+
+def _unserved_adapters(g: Graft) -> list[Unserved]:
+    """peft adapters the graph runs (their lora_A projections) that no site served, refused or came
+    close to: a layer with several active adapters has one served (the last one, whose sum the layer
+    casts back) and the others running stock code, each said here."""
+    out, seen = [], set()
+    for c in g.canonical.nodes:
+        if c.op != "linear" or c.fx is None or c.fx in g.taken:
+            continue
+        stack = own_modules(c.fx.meta.get("nn_module_stack"))
+        found = _ADAPTER.match(readable_path(stack[-1][0])) if stack else None
+        if found is None or (found["layer"], found["name"]) in seen:
+            continue
+        seen.add((found["layer"], found["name"]))
+        layer = found["layer"]
+        served = [r for r in g.report.sites if r.module == layer and r.pattern == "lora"]
+        if not served and any(r.module == layer and r.pattern == "lora" for r in g.report.fallbacks + g.report.near_misses):
+            continue  # refused, or a near miss: reported there, with why
+        why = (
+            "another active adapter of this layer is served; a layer's further active adapters run stock code"
+            if served
+            else "no lora pattern matched or came close"
+        )
+        out.append(Unserved(layer, "lora", f"adapter {found['name']!r}", why))
+    return out
 
 
 def _logits_read(g: Graft) -> list[Unserved]:

@@ -127,14 +127,16 @@ class Unserved:
     training graph where no LM head + loss site was: the ops its logits go to."""
 
     module: str  # the module's path; a rotary helper's: the module that calls it
-    kind: str  # "norm" | "mlp" | "rope" | "lm_head"
+    kind: str  # "norm" | "mlp" | "rope" | "lm_head" | "lora"
     cls: str  # the module's class name; a rotary helper's function name
     reason: str
     graph: object = 0
     capture: str = ""
 
     def __str__(self) -> str:
-        what = {"mlp": "an MLP", "norm": "a norm", "rope": "a rotary helper", "lm_head": "the LM head"}[self.kind]
+        what = {
+            "mlp": "an MLP", "norm": "a norm", "rope": "a rotary helper", "lm_head": "the LM head", "lora": "LoRA"
+        }[self.kind]  # fmt: skip
         return f"{self.module} ({self.cls}, {what}): {self.reason}"
 
 

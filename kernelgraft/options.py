@@ -6,6 +6,8 @@ kernelgraft.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
 
 BACKENDS = ("inductor", "eager")
@@ -20,6 +22,39 @@ INFERENCE = ("inductor", "kernels")
 # inductor's wrapper code, which launches a compiled graph's kernels on CUDA: "auto" (C++ for
 # the graphs of decoding steps, Python for the others), or Python for every graph
 WRAPPERS = ("auto", "python")
+# tokens per chunk of the fused LM head wherever neither lm_head_chunk nor lm_head_memory is given
+CHUNK_ENV = "KERNELGRAFT_LM_HEAD_CHUNK"
+
+
+def lm_head_chunk_from_env() -> int | None:
+    """$KERNELGRAFT_LM_HEAD_CHUNK as tokens per chunk; None where it is unset, empty or 0.
+
+    >>> import os
+    >>> os.environ["KERNELGRAFT_LM_HEAD_CHUNK"] = "512"
+    >>> lm_head_chunk_from_env()
+    512
+    >>> del os.environ["KERNELGRAFT_LM_HEAD_CHUNK"]
+    """
+    raw = os.environ.get(CHUNK_ENV, "")
+    text = raw.strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()):  # int() would also take "-3", "+3" and "1_000"
+        raise ValueError(
+            f"kernelgraft: {CHUNK_ENV} must be a positive whole number of tokens per chunk (or 0, empty or "
+            f"unset for the default), got {raw!r}"
+        )
+    return int(text) or None
+
+
+def _size(value, scale: int) -> bool:
+    """value is a positive number whose size in bytes (value * scale) is finite: no bool, inf or nan."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return value > 0 and math.isfinite(float(value) * scale)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 @dataclass(frozen=True)
@@ -74,9 +109,9 @@ class Options:
                 f"kernelgraft: recompute must be True, False or 'separate', got {self.recompute!r}"
             )
         piece = self.ddp_piece_mb
-        if piece is not None and (isinstance(piece, bool) or not isinstance(piece, (int, float)) or not piece > 0):
+        if piece is not None and not _size(piece, 2**20):
             raise ValueError(
-                f"kernelgraft: ddp_piece_mb must be a positive size in MiB or None (DDP's own "
+                f"kernelgraft: ddp_piece_mb must be a positive, finite size in MiB or None (DDP's own "
                 f"buckets), got {piece!r}"
             )
         if self.lm_head_accumulate not in ACCUMULATE:
@@ -87,11 +122,10 @@ class Options:
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"kernelgraft: lm_head_chunk must be a positive number of tokens, got {chunk!r}")
         mem = self.lm_head_memory
-        if mem is not None and mem != "min" and (
-            isinstance(mem, bool) or not isinstance(mem, (int, float)) or not mem > 0
-        ):
+        if mem is not None and mem != "min" and not _size(mem, 2**30):
             raise ValueError(
-                f"kernelgraft: lm_head_memory must be a positive budget in GiB, \"min\" or None, got {mem!r}"
+                f"kernelgraft: lm_head_memory must be a positive, finite budget in GiB, \"min\" or None, "
+                f"got {mem!r}"
             )
         if mem is not None and chunk is not None:
             raise ValueError(
@@ -101,6 +135,7 @@ class Options:
         for name in ("keep_logits", "causal_attention", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kernelgraft: {name} must be True or False, got {getattr(self, name)!r}")
+        lm_head_chunk_from_env()  # a bad value is said now, not at the first step of a model with an LM head
 
     @property
     def rounding(self) -> str:

@@ -2,14 +2,16 @@
 
 Layout: <cache_dir>/triton-<version>/<kernel name>_<key>.py, each file ending in a line with the
 sha256 of what precedes it. A file that cannot be read, is not UTF-8, or fails the check (truncated,
-edited) is regenerated. Every directory kernelgraft creates is made 0700 whatever the umask, and
-code is never loaded from a directory that another user owns or that group or others can write:
-such a directory is refused with one warning that names it and says what to do, and the kernels
-then fall back to the stock code.
+edited) is regenerated; so is anything that is not a regular file (a directory; a named pipe, which
+would block the reader), warned once. Every directory kernelgraft creates is made 0700 whatever the
+umask, and code is never loaded from a directory that another user owns or that group or others can
+write: such a directory is refused with one warning that names it and says what to do, and the
+kernels then fall back to the stock code.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -22,6 +24,7 @@ from pathlib import Path
 import triton
 
 from .fallback import warn_once
+from .launching import INTERPRETER
 
 _SEAL = "# kernelgraft-sha256: "
 
@@ -96,7 +99,21 @@ def _sealed(text: str) -> str:
     return text + _SEAL + hashlib.sha256(text.encode()).hexdigest() + "\n"
 
 
+def _kind(path: Path) -> str | None:
+    """What path is where it is not a regular file (a link is followed), else None (missing too)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a named pipe", stat.S_ISSOCK: "a socket"}
+    return next((name for test, name in kinds.items() if test(mode)), "a device")
+
+
 def _intact(path: Path) -> bool:
+    if _kind(path):  # opening a named pipe would wait for a writer: never read
+        return False
     try:
         data = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):  # unreadable, missing, a directory, not UTF-8
@@ -119,6 +136,19 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+@functools.cache
+def _interpreted() -> type:
+    """Triton's InterpretedFunction whose launches hold launching.INTERPRETER: one thread at a time."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    class Interpreted(InterpretedFunction):
+        def run(self, *args, **kwargs):
+            with INTERPRETER:
+                return super().run(*args, **kwargs)
+
+    return Interpreted
+
+
 def load_module(name: str, source: str, *, interpret: bool = False):
     """Write `source` (if missing or damaged) under the cache and import it as a module.
 
@@ -127,6 +157,13 @@ def load_module(name: str, source: str, *, interpret: bool = False):
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = _safe_dir() / f"{name}_{key}.py"
     if not _intact(path):
+        kind = _kind(path)
+        if kind:
+            warn_once(
+                ("cache entry", str(path)),
+                f"kernelgraft: the kernel cache entry {path} is not a regular file ({kind}); it is "
+                "replaced with the generated kernel's source.",
+            )
         if path.is_dir() and not path.is_symlink():  # a directory in the file's place
             shutil.rmtree(path)
         write_atomic(path, _sealed(source))
@@ -138,11 +175,10 @@ def load_module(name: str, source: str, *, interpret: bool = False):
     mod.INTERPRETED = interpret  # read by the generated header (its bf16 rounding)
     spec.loader.exec_module(mod)
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
         for k, v in list(vars(mod).items()):
             if isinstance(v, JITFunction):
-                setattr(mod, k, InterpretedFunction(v.fn))
+                setattr(mod, k, _interpreted()(v.fn))
     sys.modules[modname] = mod
     return mod, path

@@ -1,7 +1,9 @@
 """What every family does when its kernel fails at run time (compile error, out of resources, a
 cache it may not load from): the failure is recorded once per (kernel, device type), a warning
 names the sites it served and why, the report says they fell back, and the sites run the spelling's
-own PyTorch code from then on: the same numbers as without kernelgraft.
+own PyTorch code from then on: the same numbers as without kernelgraft. On the CPU every launch
+holds launching.INTERPRETER while Triton's interpreter runs it, so a failure recorded there is the
+kernel's own, never that of another thread's kernel running at the same time.
 """
 
 from __future__ import annotations

@@ -4,8 +4,15 @@ and the integer helpers of launch grids (host-side: cheap on every call)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
+
+# Triton's interpreter runs a kernel by patching triton.language for it and by keeping the program's
+# grid index in one process-wide builder: two threads inside it break each other's kernels. Every
+# interpreted launch holds this lock (kernels/cache.py's interpreted kernels), so the threads of a
+# process take turns; reentrant, for a launch that launches.
+INTERPRETER = threading.RLock()
 
 
 def pow2(n: int) -> int:
@@ -33,7 +40,8 @@ def launch_options(rounding: str, dtypes, device_type: str) -> dict:
 
 # ---- launched by inductor: the launcher traced into the compiled graph --------------------------
 
-_TRACING: list[bool] = []
+# per thread: one thread's lowering pass tracing its launches leaves another thread's launches to run
+_TRACING = threading.local()
 # what the names of the Triton kernels inductor may launch for kernelgraft begin with, one per
 # generated module (each of its kernels is named "<module name>_<entry>"): registered when the module
 # is built, which a capture does before inductor compiles the graph or loads it from its cache
@@ -63,20 +71,21 @@ def traced_launches():
     call (torch.library.wrap_triton), which inductor's generated code then makes itself, with the
     grid, block sizes and strides the launcher decided for these shapes. No kernel runs and none
     is marked failed while tracing: an error leaves the op to launch from the host."""
-    _TRACING.append(True)
+    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
     try:
         yield
     finally:
-        _TRACING.pop()
+        _TRACING.depth -= 1
 
 
 def tracing() -> bool:
-    return bool(_TRACING)
+    """Whether this thread is inside traced_launches (its launches recorded, not run)."""
+    return getattr(_TRACING, "depth", 0) > 0
 
 
 def launcher(fn):
     """`fn` (a Triton kernel) as the launcher calls it: itself, or while tracing, wrapped for it."""
-    if _TRACING:
+    if tracing():
         return torch.library.wrap_triton(fn)
     return fn
 

@@ -41,6 +41,41 @@ class Site:
     scalars: dict[str, float]
 
 
+class GuardedCheck:
+    """A spelling's extra_check as the rewriter calls it: a check that raises refuses the site (it
+    keeps its stock code, reported with the pattern, the spelling and the exception, warned once)
+    instead of stopping the forward that is being captured."""
+
+    def __init__(self, check: Callable[[Site], str | None], pattern: str, spelling: str) -> None:
+        self.check, self.pattern, self.spelling = check, pattern, spelling
+        self.__wrapped__ = check
+
+    def __call__(self, site: Site) -> str | None:
+        try:
+            why = self.check(site)
+        except Exception as e:  # noqa: BLE001 - a user's check that fails refuses the site, said once
+            from ..kernels.fallback import warn_once
+
+            text = " ".join(str(e).split())[:300]
+            why = (
+                f"the extra_check of pattern {self.pattern!r}, spelling {self.spelling!r} raised "
+                f"{type(e).__name__}: {text}"
+            )
+            warn_once(
+                ("extra_check", self.pattern, self.spelling, type(e).__name__, text),
+                f"kernelgraft: {why}. The sites it checks keep their stock PyTorch code "
+                "(model.kernelgraft_report lists them as fell back); an extra_check returns a reason "
+                "string to refuse a site, or None to serve it.",
+            )
+            return why
+        if why is None or isinstance(why, str):
+            return why
+        return f"refused by the extra_check of {self.pattern}.{self.spelling} ({why!r})" if why else None
+
+    def __repr__(self) -> str:
+        return repr(self.check)
+
+
 @dataclass(eq=False)
 class Spelling:
     """One PyTorch spelling of a pattern, with the conditions under which its kernel serves it."""
@@ -58,6 +93,12 @@ class Spelling:
     # rather than saved for the ops that read it, where the compiler partitions (inductor backend)
     recompute: bool = False
     _canonical: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check = self.extra_check
+        if check is not None:  # guarded anew: a copy under another name reports that name
+            check = check.check if isinstance(check, GuardedCheck) else check
+            self.extra_check = GuardedCheck(check, self.pattern, self.name)
 
     @property
     def qualname(self) -> str:
@@ -213,10 +254,49 @@ def pattern(
                 "x[..., :h] / x[..., h:] / x[..., ::2] / x[..., 1::2], torch.cat, torch.stack(...).flatten(-2), "
                 "F.layer_norm, F.linear and F.cross_entropy."
             )
+        never = _never_served(sp, g)
+        if never:
+            raise TypeError(
+                f"kernelgraft.pattern({name!r}): {fn.__name__} {never}: no site could ever be served by it"
+            )
         (registry or REGISTRY).add(sp)
         return sp
 
     return deco
+
+
+def _never_served(sp: Spelling, g) -> str | None:
+    """Why no site could ever be served by `sp` (its canonical graph `g`), or None: an argument the
+    result does not read (the matcher has nothing to bind it to), a result that is an argument
+    itself, an unknown kernel family, or (row kernels) math the generator cannot emit whatever the
+    arguments' shapes (tried with every tensor varying per element, which serves the most)."""
+    read, stack = set(), [g.output]
+    while stack:
+        n = stack.pop()
+        if n not in read:
+            read.add(n)
+            stack.extend(n.inputs())
+    unread = [n.attr("name") for n in g.inputs if n not in read]
+    if unread:
+        return f"does not read {', '.join(unread)} in computing its result"
+    if g.output.op == "input":
+        return f"computes nothing: its result is its argument {g.output.attr('name')!r}"
+    # the families register on import; the kernels import this module, so not before a pattern is made
+    from ..kernels import lm_head, lora, rows  # noqa: F401
+    from ..kernels.family import FAMILIES, Unsupported
+    from ..kernels.spec import build_spec
+
+    if sp.kernel not in FAMILIES:
+        return f"names kernel={sp.kernel!r}, which no kernel family serves (known: {tuple(FAMILIES)})"
+    if sp.kernel == "row":
+        try:
+            names = sp.tensor_names
+            build_spec(sp, dict.fromkeys(names, torch.float32), dict.fromkeys(names, "elem"))
+        except Unsupported as e:
+            return f"is not what the row kernels compute ({e})"
+        except Exception:  # noqa: BLE001 - a generator error is the site's to report, where it has shapes
+            return None
+    return None
 
 
 def dtype_check(site: Site, allowed=(torch.float32, torch.bfloat16, torch.float16)) -> str | None:

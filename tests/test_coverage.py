@@ -137,7 +137,11 @@ def test_loss_and_gradients_agree(arch, dtype, device):
 def test_peft_lora(arch, dtype, device):
     stock = lora_model(arch, dtype, device)
     grafted = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
-    verdicts = compare_models(grafted, stock, batch(device=device), compiled=False)  # eager alone: stricter
+    # judged over four batches at once (each quantity's values from all of them in one vector): on one
+    # batch of 24 tokens an adapter's gradient is one draw of the rounding, and single batches go
+    # either side of eager's error; against eager alone: stricter than max(eager, compile)
+    batches = [batch(seed=s, device=device) for s in (1, 2, 3, 4)]
+    verdicts = compare_models(grafted, stock, batches, compiled=False)
     adapted = 4 if arch == "phi3" else 7  # q,k,v,o,gate,up,down; Phi-3: qkv_proj, o, gate_up_proj, down
     lora = [v for v in verdicts if "lora_" in v.what]
     assert len(lora) == 2 * adapted * stock.config.num_hidden_layers  # A and B of each

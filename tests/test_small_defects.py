@@ -93,6 +93,13 @@ def test_optimize_refuses_a_string_for_causal_attention_instead_of_reading_it_as
         kernelgraft.optimize(torch.nn.Linear(2, 2), causal_attention=value)
 
 
+@pytest.mark.parametrize("value", ["no", "True", 0, 1])
+def test_optimize_refuses_a_dynamic_that_is_not_true_false_or_none(value):
+    with pytest.raises(TypeError, match="dynamic must be True, False or None") as e:
+        kernelgraft.optimize(torch.nn.Linear(2, 2), dynamic=value)
+    assert repr(value) in _one_line(e)
+
+
 @pytest.mark.parametrize("value", ["yes", "true", 1, 0, None, "fused"])
 def test_recompute_takes_true_false_or_separate_only(value):
     with pytest.raises(ValueError, match="recompute must be True, False or 'separate'") as e:

@@ -111,13 +111,17 @@ def optimize(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.optimize: expected a torch.nn.Module, got {type(model).__name__}")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(
+            f"kernelgraft.optimize: dynamic must be True, False or None (torch.compile's), got {dynamic!r}"
+        )
     options = Options(
         backend=backend,
         keep_logits=keep_logits,
         lm_head_chunk=lm_head_chunk,
         lm_head_accumulate=lm_head_accumulate,
         lm_head_memory=lm_head_memory,
-        causal_attention=bool(causal_attention),
+        causal_attention=causal_attention,
         recompute=recompute,
         ddp_piece_mb=ddp_piece_mb,
         mode=mode,
@@ -282,7 +286,7 @@ def _restore(obj, state) -> None:
 
 
 def _call(compiled, model, *args, **kwargs):
-    if torch.compiler.is_compiling():  # an outer torch.compile is tracing this call: run it as is
+    if torch.compiler.is_dynamo_compiling():  # an outer torch.compile traces this call (this thread's): run it as is
         return _nested(compiled, model, *args, **kwargs)
     return _run(compiled, model, *args, **kwargs)
 

@@ -33,13 +33,12 @@ is refused before the first launch, as F.cross_entropy refuses it (check_labels)
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass
 
 import torch
 
-from ...options import ACCUMULATE
+from ...options import ACCUMULATE, lm_head_chunk_from_env
 from ..cache import load_module
 from ..fallback import record_failure, warn_once
 from ..family import Unsupported
@@ -97,7 +96,7 @@ def chunk_tokens(T: int, V: int, itemsize: int, chunk: int = 0) -> int:
     """Tokens per chunk: `chunk` if given (> 0), else $KERNELGRAFT_LM_HEAD_CHUNK, else what keeps
     one chunk of logits within CHUNK_BYTES (a multiple of 64 tokens when above 64)."""
     if chunk <= 0:
-        chunk = int(os.environ.get("KERNELGRAFT_LM_HEAD_CHUNK", "0") or 0)
+        chunk = lm_head_chunk_from_env() or 0
     if chunk <= 0:
         chunk = _whole_64s(max(1, CHUNK_BYTES // max(1, V * itemsize)))
     return max(1, min(chunk, max(T, 1)))
@@ -149,7 +148,7 @@ def plan(T: int, H: int, V: int, itemsize: int, chunk: int, accumulate: str, mem
     chunk still has EFFICIENT_CHUNK tokens, else the weight's dtype (accumulate="weight" given:
     always). < 0 ("min"): the weight's dtype, MIN_MEMORY_CHUNK tokens."""
     T1 = max(T, 1)
-    env = int(os.environ.get("KERNELGRAFT_LM_HEAD_CHUNK", "0") or 0)
+    env = lm_head_chunk_from_env() or 0
     if chunk > 0 or (memory == 0 and env > 0):
         C = chunk_tokens(T, V, itemsize, chunk)
         if accumulate == "auto":

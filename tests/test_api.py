@@ -90,7 +90,7 @@ def test_bad_arguments_are_explained():
         kernelgraft.optimize(torch.nn.Linear(2, 2), recompute="fused")
     for bad in (0, -5.0, "100", True):
         with pytest.raises(
-            ValueError, match=r"ddp_piece_mb must be a positive size in MiB or None \(DDP's own"
+            ValueError, match=r"ddp_piece_mb must be a positive, finite size in MiB or None \(DDP's own"
         ):
             kernelgraft.optimize(torch.nn.Linear(2, 2), ddp_piece_mb=bad)
     m = torch.nn.Linear(2, 2)

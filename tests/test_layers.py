@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "kernelgraft"
 LAYERS = [
-    ("kernelgraft.options", "kernelgraft._dynamo"),
+    ("kernelgraft.options", "kernelgraft._dynamo", "kernelgraft._warnings"),
     ("kernelgraft.ir",),
     ("kernelgraft.patterns",),
     ("kernelgraft.kernels",),
@@ -94,6 +94,39 @@ def unexplained_local_imports(edges: dict) -> list[str]:
         for m, found in edges.items()
         for t, line, nested, text in found
         if nested and "import here:" not in text
+    ]
+
+
+# what the rewriter may import of kernels/: the family interface and what every family shares, never
+# a family's own package (rows/, lm_head/, lora/): a new family touches nothing in rewriter/
+FAMILY_INTERFACE = {
+    "kernelgraft.kernels",
+    "kernelgraft.kernels.family",
+    "kernelgraft.kernels.fallback",
+    "kernelgraft.kernels.launching",
+}
+
+
+def family_imports_in_rewriter(edges: dict) -> list[str]:
+    return [
+        f"{m} imports {t}, line {line}"
+        for m, found in edges.items()
+        if m.startswith("kernelgraft.rewriter")
+        for t, line, _, _ in found
+        if t.startswith("kernelgraft.kernels") and t not in FAMILY_INTERFACE
+    ]
+
+
+def test_the_rewriter_imports_kernels_only_through_the_family_interface():
+    bad = family_imports_in_rewriter(EDGES)
+    assert not bad, "\n".join(bad)
+
+
+def test_a_family_import_inside_the_rewriter_is_found():
+    src = "from ..kernels import FAMILIES\nfrom ..kernels.rows.ops import adding_input\n"
+    edges = {"kernelgraft.rewriter.residual": list(_imports("kernelgraft.rewriter.residual", src))}
+    assert family_imports_in_rewriter(edges) == [
+        "kernelgraft.rewriter.residual imports kernelgraft.kernels.rows.ops, line 2"
     ]
 
 

@@ -181,7 +181,7 @@ def _checked_norm_registry(check) -> Registry:
 
 
 def test_an_extra_check_that_raises_is_a_fallback_of_its_sites_not_a_dead_forward(monkeypatch):
-    monkeypatch.setattr(fallback, "_WARNED", set())
+    monkeypatch.setattr(kernelgraft._warnings, "_WARNED", set())
     calls = []
 
     def broken(site):
@@ -309,7 +309,7 @@ def test_a_pattern_that_can_be_served_still_registers_and_serves():
 
 def test_a_named_pipe_in_place_of_a_kernel_file_is_replaced_not_read(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELGRAFT_CACHE_DIR", str(tmp_path / "kg"))
-    monkeypatch.setattr(fallback, "_WARNED", set())
+    monkeypatch.setattr(kernelgraft._warnings, "_WARNED", set())
     source = "X = 11\n"
     _, path = cache.load_module("probe_fifo", source)
     path.unlink()

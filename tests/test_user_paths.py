@@ -86,7 +86,7 @@ def test_a_cache_directory_others_can_write_is_refused_with_one_warning(tmp_path
     d.mkdir(mode=0o700)
     os.chmod(d, 0o775)
     monkeypatch.setenv("KERNELGRAFT_CACHE_DIR", str(d))
-    monkeypatch.setattr(fallback, "_WARNED", set())
+    monkeypatch.setattr(kernelgraft._warnings, "_WARNED", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for name in ("probe_refused_a", "probe_refused_b"):

@@ -12,12 +12,34 @@ from __future__ import annotations
 import torch
 
 from ..patterns import REGISTRY
+from ..patterns.registry import SERVABLE
 from . import fallback, lm_head, lora, rows
 from .cache import cache_dir
 from .family import FAMILIES, Family, KernelSource, Unsupported, family_of
 from .rows import MAX_N, MAX_ROWS, row_kernel
+from .spec import build_spec
 
 KERNELS = tuple(FAMILIES)  # the kernel families a spelling can name
+
+
+def _servable(spelling) -> str | None:
+    """Why no family could serve any site of `spelling` (patterns.registry.SERVABLE asks at the
+    decorator): a kernel no family is, or (row kernels) math the generator cannot emit whatever
+    the arguments' shapes (tried with every tensor varying per element, which serves the most)."""
+    if spelling.kernel not in FAMILIES:
+        return f"names kernel={spelling.kernel!r}, which no kernel family serves (known: {tuple(FAMILIES)})"
+    if spelling.kernel == "row":
+        try:
+            names = spelling.tensor_names
+            build_spec(spelling, dict.fromkeys(names, torch.float32), dict.fromkeys(names, "elem"))
+        except Unsupported as e:
+            return f"is not what the row kernels compute ({e})"
+        except Exception:  # noqa: BLE001 - a generator error is the site's to report, where it has shapes
+            return None
+    return None
+
+
+SERVABLE.append(_servable)
 
 
 def op_for(spelling, rounding: str = "autograd", recompute: bool = False):
@@ -67,6 +89,28 @@ def source(pattern: str, spelling: str | None = None, dtype: torch.dtype = torch
     return family_of(sp).source(sp, dtype)
 
 
+def explain_withheld(out, withholds):
+    """A model's output with every family's withheld markers (the fused LM head's logits) replaced
+    by what explains them; `withholds()` confirms that the model withholds."""
+    for family in FAMILIES.values():
+        out = family.explain_withheld(out, withholds)
+    return out
+
+
+def served_kinds() -> dict:
+    """{kind of module: the patterns that serve it} over every family ("norm": rms_norm, ...)."""
+    kinds: dict = {}
+    for family in FAMILIES.values():
+        for kind, patterns in family.serves.items():
+            kinds[kind] = tuple(dict.fromkeys((*kinds.get(kind, ()), *patterns)))
+    return kinds
+
+
+def cache_files() -> tuple:
+    """The files every family's compiled ops depend on (inductor's caches are keyed by them)."""
+    return tuple(f for family in FAMILIES.values() for f in family.cache_files())
+
+
 def failed_kernels() -> dict:
     """Generated kernels that failed to compile or launch in this process, with why:
     {(kernel name, device type): reason}. Their sites run the stock PyTorch code (a warning said so).
@@ -87,6 +131,8 @@ __all__ = [
     "KernelSource",
     "Unsupported",
     "cache_dir",
+    "cache_files",
+    "explain_withheld",
     "failed_kernels",
     "family_of",
     "lm_head",
@@ -95,5 +141,6 @@ __all__ = [
     "refusal",
     "row_kernel",
     "rows",
+    "served_kinds",
     "source",
 ]

@@ -15,20 +15,13 @@ from contextlib import contextmanager
 
 import torch
 
+from .._warnings import warn_once
+
 FAILED: dict = {}  # (kernel name, device type) -> why; see kernelgraft.kernels.failed_kernels()
 # (spelling qualname, device type, dtype name) -> why: what a site's report entry reads
 _FAILED_SITES: dict = {}
 # the same key -> module paths of the sites replaced with that kernel, for the warning to name
 _SITES: dict = {}
-_WARNED: set = set()
-
-
-def warn_once(key, message: str, stacklevel: int = 3) -> None:
-    """warnings.warn(message) the first time `key` is seen in this process (whatever the filters)."""
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def site_key(qualname: str, device_type: str, dtype) -> tuple:

@@ -11,7 +11,14 @@ A spelling names the family that serves it (`@pattern(..., kernel="row")`). A fa
 - `pair_op(spelling, rounding)`: an op serving two sites in one launch, where it has one;
 - `recomputed_ops()`: the ops whose output the backward graph may make again (the rewriter's
   recompute pass);
-- `withheld_marker()`: what a graph returns for an intermediate the kernel never makes (logits).
+- `withheld_marker()`: what a graph returns for an intermediate the kernel never makes (logits),
+  and `explain_withheld(out, withholds)`: a model's output with those markers made explanatory;
+- `cache_files()`: the files whose code decides what the family's ops do in a compiled graph (their
+  traced launches): inductor's caches are keyed by them, so a change to one compiles anew;
+- `serves`: the kinds of module a model calls that its patterns serve ({"norm": ("rms_norm", ...)}),
+  so that a module of that kind with no site is reported as not served;
+- `adding_input(spelling, args)` / `accumulating_input(spelling, args)`: the input a site's kernel
+  can make as a sum, or whose gradient it can store summed (the residual stream's adds), or None.
 
 Every family falls back the same way (kernels/fallback.py): a kernel that fails to compile or
 launch is recorded once, warned about, and its sites run the spelling's own PyTorch code.
@@ -71,6 +78,23 @@ class Family:
     def withheld_marker(self):
         """The op a graph returns in place of an intermediate the kernel never makes (the LM head's
         logits), where the family's spellings may withhold one; None otherwise."""
+        return None
+
+    def explain_withheld(self, out, withholds):
+        """A model's output with this family's withheld markers replaced by what explains them;
+        `withholds()` confirms that the model withholds (asked only where an output looks like one)."""
+        return out
+
+    def cache_files(self) -> tuple:
+        """The files whose code decides what this family's ops do in a compiled graph."""
+        return ()
+
+    serves: dict = {}
+
+    def adding_input(self, spelling, args):
+        return None
+
+    def accumulating_input(self, spelling, args):
         return None
 
 

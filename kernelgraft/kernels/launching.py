@@ -4,6 +4,7 @@ and the integer helpers of launch grids (host-side: cheap on every call)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -22,6 +23,15 @@ def pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@functools.cache
+def sm_count(index) -> int:
+    """The streaming multiprocessors of CUDA device `index` (None: the current one): a grid that
+    fills the device takes a multiple of them."""
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()
+    ).multi_processor_count
 
 
 def launch_options(rounding: str, dtypes, device_type: str) -> dict:

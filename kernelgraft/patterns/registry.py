@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._warnings import warn_once
 from ..ir import CGraph, canonicalize_pattern
 
 
@@ -54,8 +55,6 @@ class GuardedCheck:
         try:
             why = self.check(site)
         except Exception as e:  # noqa: BLE001 - a user's check that fails refuses the site, said once
-            from ..kernels.fallback import warn_once
-
             text = " ".join(str(e).split())[:300]
             why = (
                 f"the extra_check of pattern {self.pattern!r}, spelling {self.spelling!r} raised "
@@ -281,22 +280,16 @@ def _never_served(sp: Spelling, g) -> str | None:
         return f"does not read {', '.join(unread)} in computing its result"
     if g.output.op == "input":
         return f"computes nothing: its result is its argument {g.output.attr('name')!r}"
-    # the families register on import; the kernels import this module, so not before a pattern is made
-    from ..kernels import lm_head, lora, rows  # noqa: F401
-    from ..kernels.family import FAMILIES, Unsupported
-    from ..kernels.spec import build_spec
-
-    if sp.kernel not in FAMILIES:
-        return f"names kernel={sp.kernel!r}, which no kernel family serves (known: {tuple(FAMILIES)})"
-    if sp.kernel == "row":
-        try:
-            names = sp.tensor_names
-            build_spec(sp, dict.fromkeys(names, torch.float32), dict.fromkeys(names, "elem"))
-        except Unsupported as e:
-            return f"is not what the row kernels compute ({e})"
-        except Exception:  # noqa: BLE001 - a generator error is the site's to report, where it has shapes
-            return None
+    for check in SERVABLE:
+        why = check(sp)
+        if why:
+            return why
     return None
+
+
+# checks the kernel families add when they load (kernels/__init__.py): why no site of a spelling
+# could be served by any family's kernels, or None; patterns sit below the kernels, so they are told
+SERVABLE: list = []
 
 
 def dtype_check(site: Site, allowed=(torch.float32, torch.bfloat16, torch.float16)) -> str | None:

@@ -13,8 +13,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .._dynamo import capture_settings, fresh_entry
+from ..kernels import explain_withheld
 from ..kernels.fallback import warn_once
-from ..kernels.lm_head import explain_markers
 from ..options import Options
 from . import runs
 from .backend import DECODING, Grafter
@@ -311,7 +311,7 @@ def _run(compiled, model, *args, **kwargs):
         _warn_backward_hooks(model)
         _note_other_heads(model)
     # logits the fused LM head never made: the report confirms that this model withholds them
-    return explain_markers(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
+    return explain_withheld(out, lambda: any(s.withheld for s in model.kernelgraft_report.sites))
 
 
 def _pow2(n: int) -> int:

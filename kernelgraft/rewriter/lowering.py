@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..kernels import cache_files
 from ..kernels.family import eager_call_of, traceable_impl
 from ..kernels.launching import is_kernelgraft_kernel, traced_launches
 from . import launch_record, recompute, residual
@@ -473,15 +474,10 @@ class PostGradPass(CustomGraphPass):
             theirs = self.chained.uuid() if hasattr(self.chained, "uuid") else None
             if theirs is None:
                 return None  # a pass inductor cannot key: no caching, as without us
-        from ..kernels.lm_head import kernel as lm_kernel  # import here: only to hash their files
-        from ..kernels.lm_head import op as lm_op  # import here: as above
-        from ..kernels.rows import launch, layout, ops, tuning  # import here: as above
-
-        mods = (recompute, residual, ops, launch, layout, tuning, lm_kernel, lm_op)
-        files = (__file__, *(m.__file__ for m in mods))
+        # every family's files (their ops' names carry their ABI), and the passes' own
+        files = (__file__, recompute.__file__, residual.__file__, *cache_files())
         return (
-            get_hash_for_files(files + (str(tuning.TABLE_PATH),)),
-            ops.ABI,
+            get_hash_for_files(files),
             self.fuse_recompute,
             self.fuse_residual,
             self.launch,

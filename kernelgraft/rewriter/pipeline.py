@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ir import CGraph, canonicalize
+from ..kernels import served_kinds
 from ..kernels.fallback import register_site, site_key
 from ..options import Options
 from . import projections as _projections
@@ -169,7 +170,6 @@ def _between_matmuls(seq: list) -> list | None:
 
 # the patterns that serve a module of each kind: a norm module whose gated product alone was
 # grafted (gated_mlp inside Mamba-2's gated norm over several groups) still leaves its norm stock
-_KIND_PATTERNS = {"norm": ("rms_norm", "layer_norm"), "mlp": ("gated_mlp",), "rope": ("rope",)}
 
 # a function whose name says it rotates by position (apply_rotary_pos_emb, apply_rotary_emb,
 # apply_rope...): a rotary helper, called inside the attention module, not a module of its own. The
@@ -222,7 +222,7 @@ def unserved(g: Graft) -> None:
     for (path, name, kind), seq in ops.items():
         inside = list(dict.fromkeys(seq))
         within = [(m, p) for m, p in records if m == path or m.startswith(path + ".")]
-        if any(p in _KIND_PATTERNS[kind] for _, p in within) or not inside:
+        if any(p in served_kinds().get(kind, ()) for _, p in within) or not inside:
             continue
         experts = kind == "mlp" and name.endswith("Experts")
         between = _between_matmuls(seq) if experts else None

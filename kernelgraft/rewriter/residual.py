@@ -25,9 +25,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..kernels import FAMILIES
+from ..kernels import FAMILIES, family_of
 from ..kernels.family import defined_ops
-from ..kernels.rows.ops import accumulating_input, adding_input
 from .recompute import _getitems
 
 
@@ -41,13 +40,13 @@ def _accumulating_ops() -> dict:
     }
 
 
-def _norm_input(op, args: list, check=accumulating_input) -> torch.Tensor | None:
-    """The first argument's fake value where `check` (accumulating_input, adding_input) finds the
-    call's kernels have the variant (a norm), else None."""
+def _norm_input(op, args: list, check: str = "accumulating_input") -> torch.Tensor | None:
+    """The first argument's fake value where the op's family's `check` (accumulating_input,
+    adding_input) finds the call's kernels have the variant (a norm), else None."""
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
     if any(isinstance(a, fx.Node) and not isinstance(v, torch.Tensor) for a, v in zip(args, vals)):
         return None
-    return check(op.spelling, vals)
+    return getattr(family_of(op.spelling), check)(op.spelling, vals)
 
 
 def _calls(graph: fx.Graph, ops: dict) -> list:
@@ -128,7 +127,7 @@ def add_into_norms(graph: fx.Graph) -> int:
             and all(isinstance(t, fx.Node) for t in u.args)
         ):
             continue
-        x = _norm_input(op, args, adding_input)
+        x = _norm_input(op, args, "adding_input")
         if x is None or not all(_same_value(t, x) for t in (*u.args, u)):
             continue
         # the fused op goes where the add was (its readers may come before the norm): its other inputs must be made by then

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..family import Family, KernelSource, register
-from . import transform
+from . import kernel, op, transform
 from .kernel import kernel_name, kernel_source, rounds_as
 from .op import LMHeadOp, defers, op_for, refusal
 from .withheld import WITHHELD_MESSAGE, WithheldLogits, explain_markers, marker_op
@@ -35,6 +35,12 @@ class LMHeadFamily(Family):
 
     def withheld_marker(self):
         return marker_op()
+
+    def explain_withheld(self, out, withholds):
+        return explain_markers(out, withholds)
+
+    def cache_files(self) -> tuple:
+        return (kernel.__file__, op.__file__)
 
 
 FAMILY = register(LMHeadFamily())

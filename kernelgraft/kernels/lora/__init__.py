@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..family import Family, register
-from . import kernel
+from . import kernel, op, source
 from .op import LoRAOp, op_for
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,6 +40,9 @@ class LoRAFamily(Family):
         self, spelling, rounding: str = "autograd", recompute: bool = False, options=None, metas=None
     ) -> LoRAOp:
         return op_for(spelling)
+
+    def cache_files(self) -> tuple:
+        return (kernel.__file__, op.__file__, source.__file__)
 
 
 FAMILY = register(LoRAFamily())

@@ -32,8 +32,7 @@ import functools
 
 import torch
 
-from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, tracing
-from ..rows import tuning as row_tuning
+from ..launching import NotTraceable, cdiv, launch_options, launcher, pow2, sm_count, tracing
 from . import source
 from .source import UB_BLOCKS, kernel_name, kernel_source, kernels, precision, sums_in_float64  # noqa: F401
 
@@ -132,7 +131,7 @@ def _splits(T: int, blocks: int, BT: int, device: torch.device, fill: int | None
     tiles = cdiv(max(T, 1), BT)
     fill = GPU_FILL["grad_b"] if fill is None else fill
     if device.type == "cuda":
-        want = cdiv(fill * row_tuning.sm_count(device.index), blocks)
+        want = cdiv(fill * sm_count(device.index), blocks)
     else:
         want = 2
     n = max(1, min(want, tiles // 4 if device.type == "cuda" else tiles))

@@ -12,10 +12,10 @@ import torch
 from ..fallback import generation_failed
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
 from ..spec import halves_refusal
-from . import layout
+from . import launch, layout, ops, tuning
 from .build import MAX_N, MAX_ROWS, RowKernel, rounds_for, row_kernel
 from .codegen import backward_source, forward_source
-from .ops import GraftedOp, op_for, pair_op_for
+from .ops import GraftedOp, accumulating_input, adding_input, op_for, pair_op_for
 
 # why a row site of a graph without gradients is left to inductor (Options.rows_left_to_inductor)
 INFERENCE = (
@@ -68,6 +68,17 @@ class RowFamily(Family):
             str(k.path),
             grads,
         )
+
+    serves = {"norm": ("rms_norm", "layer_norm"), "mlp": ("gated_mlp",), "rope": ("rope",)}
+
+    def cache_files(self) -> tuple:
+        return (ops.__file__, launch.__file__, layout.__file__, tuning.__file__, str(tuning.TABLE_PATH))
+
+    def adding_input(self, spelling, args):
+        return adding_input(spelling, args)
+
+    def accumulating_input(self, spelling, args):
+        return accumulating_input(spelling, args)
 
     def recomputed_ops(self) -> list[GraftedOp]:
         return [op for op in defined_ops() if isinstance(op, GraftedOp) and op.bwd_out is not None]

@@ -23,14 +23,13 @@ but numpy sums a column of a block one row after another, so where a program sum
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..launching import pow2
+from ..launching import pow2, sm_count
 
 TABLE_PATH = Path(__file__).with_name("launch_configs.json")
 
@@ -127,10 +126,3 @@ def programs(n_blocks: int, device: torch.device, N: int = 0, reduces: bool = Fa
             per_sm = (_column_sums(N, reduces) or (0, TABLE["cuda"]["programs_per_sm"]))[1]
         return max(1, min(n_blocks, per_sm * sm_count(device.index)))
     return max(1, min(n_blocks, TABLE["interpreter"]["max_programs"]))
-
-
-@functools.cache
-def sm_count(index) -> int:
-    return torch.cuda.get_device_properties(
-        index if index is not None else torch.cuda.current_device()
-    ).multi_processor_count

@@ -3,9 +3,9 @@
 While dynamo traces, transformers up to at least 5.17 never skips building the causal mask
 (`masking_utils._ignore_causal_mask_sdpa`: `is_tracing()` is true under torch.compile), so the
 captured graph calls `scaled_dot_product_attention(q, k, v, attn_mask=<full 4-D mask>)`. SDPA then
-does full attention and reads the mask, where `is_causal=True` would do half the work: on an H200
-the attention of a Llama-3.2-1B step took 2.5x eager's time under torch.compile (RESULTS.md,
-2026-11-30). transformers 5.24 skips the mask under compile when there is no padding.
+does full attention and reads the mask, where `is_causal=True` would do half the work (the
+attention's time under torch.compile is in benchmarks/RESULTS.md). transformers 5.24 skips the
+mask under compile when there is no padding.
 
 The proof, per SDPA call (nothing is assumed about how the mask was spelled):
   1. the mask's whole producer slice reads no graph input and no module attribute: its value is a

@@ -65,10 +65,8 @@ def _pieces_of_at_least(ddp_optimizer, mb: float | None):
     bucket size where larger; None: DDP's). DDPOptimizer cuts where DDP's reducer fills a bucket
     (25 MB by default), so that a bucket's all-reduce can start while the backward goes on; but
     each piece is a compiled function of its own, with its own forward and backward calls on the
-    host. At the Llama-3.2-1B step on two H200s, 100 MiB pieces (about a decoder layer: 18, not 50)
-    ran 0.35 % faster than DDP's cut, every run ahead (2026-11-30; 1.5 % where DDP's buckets grew
-    to 100 MB as well, which changed nothing for eager Liger; benchmarks/RESULTS.md). DDP's reducer
-    keeps its own buckets: a piece's gradients are all-reduced bucket by
+    host: fewer, larger pieces spend less host time per step (the default's figures are in
+    benchmarks/RESULTS.md). DDP's reducer keeps its own buckets: a piece's gradients are all-reduced bucket by
     bucket as they come, while the next piece's backward runs."""
     cap = getattr(ddp_optimizer, "bucket_bytes_cap", None)
     if mb is None or cap is None:
@@ -208,8 +206,8 @@ def global_state_switch(n: torch.fx.Node) -> bool:
 def _in_piece_order(graph: torch.fx.Graph, piece_of, groups: list[dict]) -> dict:
     """The moves (node -> piece) of the groups kept, and the graph's nodes reordered so that pieces
     come in graph order, as split_module requires of a graph with autocast or grad-mode switches
-    (Hugging Face's rotary embedding computes under autocast(enabled=False) in transformers 5.17;
-    the two-H200 run failed its check, 2026-11-30). A node moved past such a switch would change the mode it runs
+    (Hugging Face's rotary embedding computes under autocast(enabled=False) in transformers 5.17).
+    A node moved past such a switch would change the mode it runs
     in: its whole group (a call, its getitems, its moved readers) stays where DDP put it. Raises
     when the order found is not a valid graph (the caller then keeps DDPOptimizer's cut)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]

@@ -293,8 +293,8 @@ def static_launches():
     """Inside the block, kernelgraft's generated kernels (launching.is_kernelgraft_kernel) are
     launched by inductor's static launcher, as inductor launches its own kernels. To inductor they are
     user-defined kernels, which it compiles in its worker processes under its default of launching
-    them through Triton's own launcher (each argument bound in Python on every launch): 308 of the
-    135M step's launches (H200 profile). Their compiled results are swapped for static ones in this
+    them through Triton's own launcher (each argument bound in Python on every launch), which a
+    small model's step would pay on hundreds of launches. Their compiled results are swapped for static ones in this
     process, as inductor makes their launchers; the same cubin. Anything unexpected (another
     torch, a kernel the static launcher cannot take) leaves a result as it is."""
     try:
@@ -392,8 +392,7 @@ def tangents_laid_out_as_outputs():
     strides (the default of newer torch releases, 2.13 among them; an option, off, in 2.11), not
     as contiguous. Under the contiguous guess every non-contiguous output - a rotation of HF's
     (batch, head, position) view of q, laid out as q as eager lays it out - costs a copy of its
-    gradient in every backward (on the H200, 0.23 ms of a RoPE fwd+bwd whose kernels take 0.27).
-    A gradient laid out otherwise is still made to match, as before."""
+    gradient in every backward, nearly as long as the kernels themselves. A gradient laid out otherwise is still made to match, as before."""
     from torch._functorch import config as functorch_config
 
     if not hasattr(functorch_config, "guess_tangent_strides_as_outputs"):

@@ -1,9 +1,8 @@
 """Linear layers that read the same input become one matmul (edits the fx graph: after the sites).
 
 A decoder layer projects one normalized input three times (q, k and v) and its MLP twice (gate and
-up). Where the host sets the pace (a small model's training step: a 135M Llama's step on an H200
-launches about 1,600 kernels, 630 of them matmuls), every matmul is a launch whose host time the
-GPU waits for. Here the k linears of a group become
+up). Where the host sets the pace (a small model's training step launches well over a thousand
+kernels, a third of them matmuls), every matmul is a launch whose host time the GPU waits for. Here the k linears of a group become
 
     W = cat([W_1, ..., W_k])                # the weights stacked along the output dim
     y = linear(x, W)                        # one matmul: [..., N_1 + ... + N_k]
@@ -20,8 +19,8 @@ takes the GPU less time than the launch takes the host (a 135M Llama's step: 60 
 saved, 4% of its memory above the start; a Llama-3.2-1B's groups are 12 and 64 MiB: recomputed).
 One cost in memory remains:
 an output saved for the backward as a view keeps the whole fused output alive. Attention saves v,
-so a q/k/v group keeps q's and k's columns too (tokens x (N_q + N_k) per layer: 0.35 GiB at a 135M
-Llama's 8x1024 step, whose peak is several GiB below torch.compile's); gate and up are both saved
+so a q/k/v group keeps q's and k's columns too (tokens x (N_q + N_k) per layer, small beside a
+small model's peak); gate and up are both saved
 by the gated MLP's backward anyway.
 
 A group is fused only where it pays:
@@ -51,8 +50,8 @@ from .report import SiteRecord, example_value, module_path
 
 PATTERN, SPELLING = "linear", "shared_input"
 LINEARS = (F.linear, torch._C._nn.linear)
-# the largest fused matmul (2 M K N flops) fused: about 0.15 ms on an H200, where a step of many
-# such launches is host-bound (a 135M Llama's step: 9 and 29 Gflop; the 1B's: 206 and 1100)
+# the largest matmul (2 M K N flops) fused: one short enough that its launch, not its work, sets
+# the pace (a 135M Llama's groups are under it, a 1B's over it)
 FUSE_FLOPS = 1e11
 # a stacked weight of at most this many bytes is saved for the backward, a larger one made again
 SAVE_BYTES = 4 * 2**20

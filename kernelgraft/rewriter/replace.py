@@ -129,8 +129,7 @@ def rewrite(gm: torch.fx.GraphModule, m: Match, redirect: dict, options) -> torc
     sp = m.spelling
     # recompute only an output the graph reads on: one that only leaves the graph is never saved for
     # the backward, and the tag would make the partitioner run the forward again just for the row
-    # statistics its backward keeps (seen on an H200: RMSNorm and SwiGLU alone ran their forward
-    # twice per fwd+bwd)
+    # statistics its backward keeps (an RMSNorm or SwiGLU alone would run its forward twice)
     read_on = any(u.op != "output" for u in m.output.fx.users)
     recompute = bool(sp.recompute and options.recompute and read_on)
     family = family_of(sp)

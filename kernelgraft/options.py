@@ -5,10 +5,14 @@ kernelgraft.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 BACKENDS = ("inductor", "eager")
 ACCUMULATE = ("auto", "fp32", "weight")  # the LM head's weight-gradient sum: by the plan, in float32, in the weight's dtype
@@ -59,7 +63,10 @@ def _size(value, scale: int) -> bool:
 
 @dataclass(frozen=True)
 class Options:
-    """How kernelgraft compiles a model (see `kernelgraft.optimize` for what each option does).
+    """Every option of `kernelgraft.optimize`, validated, with its default. The text under each
+    field is that option's documentation, written once: `help(kernelgraft.optimize)` shows the same
+    text. `kernelgraft.Grafter(options=Options(...))` is the torch.compile backend with options of
+    your own.
 
     >>> from kernelgraft import Options
     >>> Options().rounding, Options(backend="eager").rounding
@@ -71,22 +78,97 @@ class Options:
     """
 
     backend: str = "inductor"
+    """Who compiles the code around the kernels: `"inductor"` (the fast one on a GPU: inductor
+    compiles the graph and launches the kernels itself) or `"eager"` (the captured graph runs as
+    PyTorch would, each kernel called through kernelgraft's Python launcher on every call). Use
+    `"eager"` where inductor is unavailable or slow to compile (the CPU, quick experiments, very
+    large graphs), to have the kernels round exactly where eager PyTorch rounds, or to debug."""
+
     keep_logits: bool = False
-    lm_head_chunk: int | None = None  # tokens per chunk; None: a chunk of logits of at most 256 MiB
+    """Keep the full logits of a training forward. By default the LM head and its loss are fused
+    in training (labels given, gradients on): the logits are never made, and `output.logits` is a
+    `WithheldLogits` that raises, saying how to get them, when used. `True` keeps them, and the LM
+    head is then not fused. Without labels, or under `torch.no_grad()`, logits are returned as
+    usual either way."""
+
+    lm_head_chunk: int | None = None
+    """Tokens per chunk of the fused LM head. `None`: chunks of at most 256 MiB of logits, or the
+    chunk `lm_head_memory` picks. The environment variable `KERNELGRAFT_LM_HEAD_CHUNK=N` (a
+    positive whole number) sets the tokens per chunk wherever neither this nor `lm_head_memory` is
+    given; 0, empty or unset keeps the default, and any other value is refused when `optimize()`
+    runs. Set either this or `lm_head_memory`, not both."""
+
     lm_head_accumulate: str = "auto"
-    # a budget in GiB for the fused LM head's working memory (it then picks chunk and accumulation),
-    # or "min"; None: chunks of lm_head_chunk tokens, or of at most 256 MiB of logits
+    """How the fused LM head sums its weight gradient over the chunks. `"auto"`: a bf16/fp16 head
+    sums in the weight's own dtype where that leaves at most 8 chunks of at least 1024 tokens
+    (where that sum is as accurate as the unfused model's), and in float32 elsewhere; `"fp32"`
+    always sums in float32 (as accurate as the unfused model); `"weight"` always sums in the
+    weight's dtype (half the memory, less accurate over many chunks)."""
+
     lm_head_memory: float | str | None = None
+    """A budget in GiB for what the fused LM head holds at once besides its inputs (the weight
+    gradient, h's gradient, one chunk of logits): kernelgraft then takes the largest chunk that
+    fits and the sum that keeps it accurate, and warns where only a less accurate sum fits.
+    `"min"` sums in the weight's dtype over chunks of 512 tokens. `None`: the chunking of
+    `lm_head_chunk`. Use it to trade time for memory."""
+
     causal_attention: bool = True
-    recompute: bool | str = True  # True, False or "separate"
+    """Run an attention call whose mask the captured graph proves to be the causal mask with
+    `is_causal=True` instead of the mask (a mask that reaches a graph as an input is checked at
+    run time), and let calls left without a mask read grouped keys and values as they are.
+    `False` keeps every mask as the model builds it."""
+
+    recompute: bool | str = True
+    """Inductor backend: make the outputs of the gated-MLP and RMSNorm kernels again in the
+    backward, from the inputs their own backward keeps, instead of saving them for the matmuls
+    that read them (less memory; the site's backward kernel makes the output in the pass that makes
+    its gradients). `False` saves them; `"separate"` runs the forward kernel again instead, and
+    keeps every kernel op apart from the ops around it (the residual adds stay out of the norms'
+    kernels). A site whose output only leaves the graph is not recomputed."""
+
     ddp_piece_mb: float | None = DDP_PIECE_MB
-    mode: str | None = None  # torch.compile's mode; None: "default"
+    """Under `DistributedDataParallel`: dynamo cuts the model's graph where DDP's gradient buckets
+    fill, each piece a compiled function called on its own; kernelgraft cuts it into pieces of at
+    least this many MiB of parameters (DDP's `bucket_cap_mb` where larger), to spend less host time
+    per step. DDP's buckets are unchanged and still all-reduced while the backward runs. `None`:
+    cut at DDP's buckets, as torch.compile does."""
+
+    mode: str | None = None
+    """torch.compile's mode (inductor backend; `None` is `"default"`). `"reduce-overhead"` runs the
+    compiled graphs, kernelgraft's kernels inside, under CUDA graphs (call
+    `torch.compiler.cudagraph_mark_step_begin()` at the start of each training step): use it where
+    the host sets the pace (small models, small batches). The fused LM head then makes its
+    gradients in the backward from the loss's gradient on the GPU (one more logits matmul per
+    chunk, no host sync)."""
+
     launch: str = "inductor"
+    """Inductor backend, CUDA: who launches the kernels. `"inductor"` has inductor's generated code
+    launch them, their grids and strides fixed when the graph compiles; `"host"` launches them from
+    kernelgraft's Python launcher on every call (the eager backend's way), for comparison."""
+
     inference: str = "inductor"
-    # linear layers that read one input (q/k/v, gate/up) as one matmul where it pays
-    # (rewriter/projections.py): training graphs under inductor, small matmuls
+    """Inductor backend: who serves the norms, RoPE and gated MLPs of a graph captured without
+    gradients (`generate()`, evaluation under `torch.no_grad()`). `"inductor"` leaves them to
+    inductor, which fuses a norm with the residual add before it and RoPE with the KV cache's
+    concatenation after it (fewer launches per token, the same numbers: the kernels round as
+    inductor's fused code does); `"kernels"` serves them with kernelgraft's forward kernels.
+    Training graphs are unaffected."""
+
     fuse_projections: bool = True
+    """Inductor backend, training graphs: linear layers that read the same input (a layer's q, k
+    and v; its gate and up) run as one matmul on their stacked weights, where that matmul is small
+    enough (at most 1e11 flops) that launches, not work, set its pace. Larger stacked weights are
+    made again in the backward rather than kept. The report lists each group
+    (`report.projections`) with why it was fused or not. `False` leaves every linear layer apart."""
+
     wrapper: str = "auto"
+    """Inductor backend, CUDA, outside CUDA graphs: the language of the code inductor writes to
+    launch a graph's kernels, once per call. `"auto"` writes C++ for the graph of `generate()`'s
+    decoding steps (no gradients, dynamic sizes, none of kernelgraft's kernels: a token is a few
+    hundred small kernels, whose launches from Python take longer than the GPU runs them) and
+    Python for every other graph; `"python"` writes Python for every graph. The C++ wrapper needs a
+    C++ compiler and makes the first call slower; where it fails to compile, the graph is compiled
+    again with the Python wrapper, with a warning. `report.wrappers` counts graphs by wrapper."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -190,3 +272,46 @@ class Options:
 
     def replace(self, **changes) -> Options:
         return dataclasses.replace(self, **changes)
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each Options field's documentation: the string written right after the field in this
+    module (where mkdocstrings reads it), read from the source so that it is written once.
+
+    >>> field_docs()["backend"].split(":")[0]
+    'Who compiles the code around the kernels'
+    """
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == Options.__name__)
+    docs = {}
+    for field, after in zip(cls.body, cls.body[1:]):
+        text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(text, str):
+            docs[field.target.id] = inspect.cleandoc(text)
+    return docs
+
+
+def with_options_help(doc: str | None) -> str | None:
+    """`doc`, a Google-style docstring, with an "Other Parameters" section before its "Examples:"
+    section (or at its end): every Options field and its documentation, as `optimize` shows them.
+    None (docstrings stripped by `python -OO`) stays None.
+
+    >>> lines = with_options_help("Do it.\\n\\nExamples:\\n    >>> 1").splitlines()
+    >>> lines[2], lines[3].split(":")[0], lines[-2]
+    ('Other Parameters:', '    backend', 'Examples:')
+    """
+    if doc is None:
+        return None
+    docs = field_docs()
+    missing = [f.name for f in dataclasses.fields(Options) if f.name not in docs]
+    if missing:
+        raise RuntimeError(f"kernelgraft: Options fields without documentation: {missing}; write one under each")
+    section = ["Other Parameters:"]
+    for name, text in docs.items():
+        first, *rest = text.splitlines()
+        section += [f"    {name}: {first}", *(f"        {line}" if line else "" for line in rest)]
+    lines = inspect.cleandoc(doc).splitlines()
+    at = lines.index("Examples:") if "Examples:" in lines else len(lines)
+    return "\n".join(lines[:at] + section + [""] + lines[at:])
+

@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from .._dynamo import capture_settings, fresh_entry
 from ..kernels import explain_withheld
 from ..kernels.fallback import warn_once
-from ..options import Options
+from ..options import Options, with_options_help
 from . import runs
 from .backend import DECODING, Grafter
 from .report import RewriteReport, graph_break_reasons
@@ -40,74 +40,31 @@ def optimize(
     fuse_projections: bool = Options.fuse_projections,
     wrapper: str = Options.wrapper,
 ):
-    """Compile `model` in place with the kernelgraft backend and return the same object. The
-    options are kernelgraft.Options' (validated there, with their defaults).
+    """Compile `model` in place with the kernelgraft backend and return the same object.
 
-    State-dict keys, `save_pretrained`/`from_pretrained`, peft and Trainer keep working; other
-    models in the process are untouched. The report of what each capture replaced accumulates in
-    `model.kernelgraft_report`. `dynamic` is torch.compile's; floats the model reads (a norm's
-    eps) stay constants of the captured graph even with `dynamic=True`, so that the patterns that
-    take them as numbers match (a float that changes between calls recompiles).
+    It patches no model class: state-dict keys, `save_pretrained`/`from_pretrained`, peft and
+    `Trainer` keep working, and other models in the process are untouched. What each capture
+    replaced accumulates in `model.kernelgraft_report`, kept by kind of graph (a training step's, an
+    evaluation forward's, `generate()`'s decoding). Every option is a field of `kernelgraft.Options`,
+    validated there, with its default; each is listed under "Other Parameters" with its
+    documentation.
 
-    The LM head and its loss are fused in training (labels given, gradients on): the full logits
-    are never made, so `output.logits` is then a `WithheldLogits` that raises, saying so, when
-    used. `keep_logits=True` keeps them (the LM head is then not fused). Without labels, or under
-    `torch.no_grad()`, logits are returned as usual. `lm_head_chunk` sets the tokens per chunk;
-    `lm_head_accumulate` is "auto" (default: the weight gradient of a bf16/fp16 head summed in the
-    weight's dtype over at most 8 chunks of at least 1024 tokens, where that was measured as
-    accurate as the unfused model, the chunks as large as the float32 plan's memory and half the
-    unfused head's allow; else summed in float32 over chunks of at most 256 MiB of logits), "fp32"
-    (always summed in float32: as accurate as the unfused model) or "weight" (always in the
-    weight's dtype: half the memory, less accurate over many chunks). `lm_head_memory` is a budget in GiB for what the fused
-    head holds at once besides its inputs (the weight gradient, float32 while it is summed in
-    float32, h's gradient, one chunk of logits): it then picks the largest chunk that fits, all
-    tokens in one chunk in the weight's dtype where they fit (one rounding), else float32
-    accumulation where its chunks keep 1024 tokens, else the weight's dtype; "min" takes the
-    weight's dtype and chunks of 512 tokens. `causal_attention` (default on): an attention call
-    whose mask the graph proves to be the causal mask runs with `is_causal=True` instead
-    (transformers 5.17 and earlier build that mask whenever they are compiled; see
-    the rewriter's attention.py). `recompute` (default on; inductor backend): the outputs of
-    the gated MLP and RMSNorm kernels are made again in the backward from the inputs their own
-    backward keeps, instead of being saved for the matmuls that read them (at the Llama-3.2-1B
-    step: 16384 x 8192 bf16 per MLP, 16 of them: 4 GiB). The site's backward kernel makes the
-    output in the pass it makes the gradients in (the rewriter's recompute.py);
-    `recompute="separate"` runs the forward kernel again instead (one more read of the inputs per
-    site; kept for comparison). A site whose output nothing in the graph reads (it only leaves the
-    graph) is not recomputed. `ddp_piece_mb` (under DistributedDataParallel): dynamo cuts the
-    model's graph into pieces where DDP's gradient buckets fill, each a compiled function called on
-    its own; kernelgraft cuts at pieces of at least this many MiB of parameters (DDP's
-    `bucket_cap_mb` where larger) to spend less host time per step. DDP's buckets are unchanged and
-    still all-reduced while the backward goes on. None: at DDP's buckets, as torch.compile does.
-    `mode` is torch.compile's (inductor backend): "reduce-overhead" runs the compiled graphs,
-    kernelgraft's kernels inside, under CUDA graphs (the LM head then makes its gradients in the
-    backward, reading the loss's gradient on the GPU: one more logits matmul, no host sync).
-    `launch` (inductor backend, CUDA): "inductor" (default) has inductor's generated code launch
-    the kernels, their grids and strides fixed when the graph compiles (rewriter/lowering.py);
-    "host" launches them from kernelgraft's Python launcher on every call (the eager backend's way).
-    `inference` (inductor backend): who serves the norms, RoPE and gated MLPs of a graph captured
-    without gradients (`generate()`, evaluation under `torch.no_grad()`): "inductor" (default)
-    leaves them to inductor, which fuses each with the ops around it (a norm with the residual add
-    before it, RoPE with the KV cache's concatenation after it: fewer launches per decoded token,
-    the same numbers, since the kernels round as inductor's fused code does); "kernels" serves
-    them with kernelgraft's forward kernels. `fuse_projections` (default on; inductor backend,
-    training graphs): linear layers that read the same input (a layer's q, k and v; gate and up)
-    run as one matmul on their stacked weights, where that matmul is small enough (at most 1e11
-    flops) that its launches, not its work, set the pace: a 135M model's step, not a 1B one's
-    (the rewriter's projections.py). The stacked weights are made again in the backward, not kept.
-    `wrapper` (inductor backend, CUDA, outside CUDA graphs): the language of the code inductor
-    writes to launch a graph's kernels, once per call: "auto" (default) C++ for the graph of
-    `generate()`'s decoding steps (no gradients, dynamic sizes, its norms, RoPE and MLPs left to
-    inductor: a token is a few hundred small kernels, their launches from Python slower than the
-    GPU runs them) and Python for the others (training steps, the prompt's graph, graphs that run
-    kernelgraft's kernels); "python" for every graph. The C++ wrapper needs a C++ compiler and
-    compiles for longer (a 1B model's first `generate()` took 1.9x torch.compile's on an H200
-    host); where it fails to compile, the graph is compiled again with the Python wrapper, said
-    in a warning.
+    Args:
+        model: the module to compile: a Hugging Face model, a peft model, any `torch.nn.Module`.
+        patterns: the patterns to match: registered names (`"rms_norm"`, `"rope"`, ...), the
+            spellings `kernelgraft.pattern` makes, or a registry; None: every registered pattern.
+        dynamic: torch.compile's. Floats the model reads (a norm's eps) stay constants of the
+            captured graph even with `dynamic=True`, so that the patterns that take them as numbers
+            match (a float that changes between calls recompiles).
 
-    >>> import torch, kernelgraft
-    >>> m = torch.nn.Linear(4, 4)
-    >>> kernelgraft.optimize(m, backend="eager") is m
-    True
+    Returns:
+        `model` itself, compiled (its first call captures and compiles).
+
+    Examples:
+        >>> import torch, kernelgraft
+        >>> m = torch.nn.Linear(4, 4)
+        >>> kernelgraft.optimize(m, backend="eager") is m
+        True
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"kernelgraft.optimize: expected a torch.nn.Module, got {type(model).__name__}")
@@ -143,6 +100,10 @@ def optimize(
     # Module.compile would replace the compiled call with a plain torch.compile: said, and not done
     model.__dict__["compile"] = functools.partial(_compile_again, model)
     return model
+
+
+# each option's help is its Options field's documentation, written once there
+optimize.__doc__ = with_options_help(optimize.__doc__)
 
 
 # the hooks a module runs when called: torch's global ones and each module's own

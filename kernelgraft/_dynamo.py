@@ -72,7 +72,7 @@ def capture_settings(models: int = 1):
       break are shared by every model in the process, and once one hits its limit dynamo runs
       whichever compiled entry's guards pass, another model's too;
     Every forward of an optimized model runs inside it (any forward may capture): set with
-    the config's closure patcher where torch has it (a few µs; `config.patch` took 40 µs a call)."""
+    the config's closure patcher where torch has it, which costs a forward far less than `config.patch`."""
     cfg = torch._dynamo.config
     key = _LOGGING_KEY
     limits = tuple((k, getattr(cfg, k) * models) for k in _LIMITS) if models > 1 else ()

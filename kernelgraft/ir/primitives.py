@@ -121,7 +121,7 @@ def _tanh_derivative(n: Local) -> list:
     if n.device == "cuda":
         # CUDA's tanh_backward for bf16/fp16 is `a * (scalar_t{1.} - b * b)` in c10's 2-byte
         # arithmetic: y*y and 1 - y*y are each rounded to the dtype (the CPU's vectorized kernel
-        # computes in float32 and rounds once). Found by the H200 thorough profile (softcap).
+        # computes in float32 and rounds once): a softcap's gradient differs from eager's otherwise.
         return [round_to(1 - round_to(n.y**2, n.low), n.low)]
     return [1 - n.y**2]
 
@@ -130,8 +130,8 @@ def _sigmoid_gradient(n: Local) -> list | None:
     """sigmoid_backward(a, y) = a * (1 - y) * y as PyTorch's kernels round it: CUDA's, for bf16 and
     fp16, in c10's 2-byte arithmetic (`a * (scalar_t(1.) - b) * b`: 1 - y, its product with the
     incoming gradient a, and that times y each rounded to the dtype); the CPU's the same way for
-    fp16, and in float32, rounded once, for bf16 (torch 2.13, element by element). Found by the H200
-    thorough profile (GPT-OSS's clamped SwiGLU in bf16, a gate of constant rows)."""
+    fp16, and in float32, rounded once, for bf16 (torch 2.13, element by element): GPT-OSS's clamped
+    SwiGLU in bf16 differs from eager's otherwise."""
     if n.low is None or (n.device != "cuda" and n.low != "float16"):
         return None
     return [round_to(round_to(n.grad * round_to(1 - n.y, n.low), n.low) * n.y, n.low)]

@@ -53,9 +53,8 @@ def function(name: str, *, diff, triton: str, value) -> type[KFunction]:
 # 1/sqrt(x) correctly rounded at each step (the generated module's _rsqrt): CUDA's rsqrt instruction
 # (tl.rsqrt) is approximate, and a norm's x gradient cancels its terms where the incoming gradient
 # is nearly parallel to x: LayerNorm's 1 - rstd^2 var is then about eps / var, so rstd's relative
-# error comes back amplified by var / eps (bf16, rows of 8, g = x on the H200: the kernel's error
-# 2.3x what the interpreter's 1 / sqrt gave, 1.15x eager's). It is a row's statistic, computed
-# once per row: its cost is not seen beside the row's loads.
+# error comes back amplified by var / eps, past eager's. It is a row's statistic, computed once per
+# row: its cost is not seen beside the row's loads.
 RSQRT = "_rsqrt({0})"
 
 

@@ -188,8 +188,7 @@ def traceable_impl(target):
 
 # op overload -> a plain function computing the same, with the same gradients, through an
 # autograd.Function: what a graph run as it is (the eager backend) calls instead of the op, without
-# the dispatcher's and torch.library's work on each call (measured on the CPU, kernels stubbed: an
-# RMSNorm fwd+bwd 119 µs through the ops, 78 µs through the function)
+# the dispatcher's and torch.library's work on each call, a large part of a small op's host time
 _EAGER: dict[object, object] = {}
 
 

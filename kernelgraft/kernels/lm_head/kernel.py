@@ -21,10 +21,10 @@ points (Gemma-2's softcap runs in bf16 in the model: each op rounds). The matmul
 
 Weight-gradient accumulation over chunks (`accumulate`):
     "fp32"   (default) an fp32 buffer of W's shape, rounded once at the end: the same error as the
-             unfused model (measured: tests/test_lm_head.py). Costs 4 bytes per weight element.
+             unfused model (tests/test_lm_head.py checks it). Costs 4 bytes per weight element.
     "weight" in W's dtype, rounded after every chunk: half the memory, an error that grows with
-             the number of chunks (bf16: 1.04x eager's at 8192 x 4096 x 128256 on an H200, 8
-             chunks; 1.25x on the CPU test's small shapes, 16 chunks).
+             the number of chunks (close to eager's over a few long chunks, above it over many
+             short ones).
 The gradients made in the forward wait for the backward outside the autograd graph (`_STASH`), so
 the backward hands them out without a copy. A label neither in the vocabulary nor the ignore index
 is refused before the first launch, as F.cross_entropy refuses it (check_labels).
@@ -107,15 +107,14 @@ def _whole_64s(tokens: int) -> int:
     return tokens - tokens % 64 if tokens > 64 else tokens
 
 
-# tokens of a chunk below which the chunked matmuls lose speed (H200, 128k vocab: 44.8 ms with chunks
-# of 512 tokens, 40.4 with 1024, 39.2 with 2048), and the chunk lm_head_memory="min" takes
+# tokens of a chunk below which the chunked matmuls lose speed (shorter chunks fill the GPU less),
+# and the chunk lm_head_memory="min" takes, trading that speed for memory
 EFFICIENT_CHUNK = 1024
 MIN_MEMORY_CHUNK = 512
-# accumulate="auto" sums the weight gradient in a 2-byte weight's own dtype where that was measured to
-# be as accurate as the unfused model by the rule: chunks of at least EFFICIENT_CHUNK tokens, at
-# most this many of them (bf16 on an H200: 8192 tokens x 4096 x 128256 in 5 chunks, 1.04x eager's
-# error against float64; in 16 chunks of 512, 1.04x; 8192 x 2304 x 256000 in 16 chunks, 1.02x).
-# Shorter chunks are not: tiny CPU shapes of 8-16 tokens per chunk lose to eager from 6 chunks on.
+# accumulate="auto" sums the weight gradient in a 2-byte weight's own dtype where that is as accurate
+# as the unfused model by the rule: chunks of at least EFFICIENT_CHUNK tokens, at most this many of
+# them, each chunk's rounding small beside its sum. Shorter chunks are not: tiny shapes of a few
+# tokens per chunk lose to eager after a handful of chunks.
 WEIGHT_SUM_CHUNKS = 8
 
 
@@ -186,8 +185,8 @@ def plan(T: int, H: int, V: int, itemsize: int, chunk: int, accumulate: str, mem
 
 
 # A chunk has at least this many tokens (or all of them): with fewer rows its matmuls take the CPU
-# BLAS's matrix-vector paths, which sum the vocabulary terms less accurately (fp32, 1-3 rows: 2-3x
-# the error of the same product in a 4-row or larger matmul, measured), so dh lost to eager's.
+# BLAS's matrix-vector paths, which sum the vocabulary terms less accurately than a matmul of 4 rows
+# or more (fp32, 1-3 rows), so dh lost to eager's.
 MIN_ROWS = 8
 
 
@@ -202,7 +201,9 @@ def chunk_bounds(T: int, C: int) -> list[tuple[int, int]]:
     return bounds
 
 
-CE_CONFIG = {"cuda": (4096, 4), "cpu": (8192, 4)}  # (BLOCK_V, num_warps); cuda: tuned on an H200
+# (BLOCK_V, num_warps): the GPU's the fastest found; the interpreter's a larger block, as each
+# program costs it Python work
+CE_CONFIG = {"cuda": (4096, 4), "cpu": (8192, 4)}
 
 
 def _ce_config(V: int, device: torch.device) -> tuple[int, int]:
@@ -409,8 +410,8 @@ def _weight_grad(dW, z, hc, first: bool, out_fp32: bool, upcast: bool, traced: b
     CPU's product of float32 copies: upcast) or in W's dtype. The first chunk writes dW without
     reading it (addmm's beta 0). Traced: a new tensor each chunk (mm for the first: the product
     addmm with beta 0 makes), else in dW's storage. On CUDA a column-major chunk of h is read
-    row-major: cuBLAS rounds z^T h less accurately with it (an H200: bf16 weight gradients of a
-    transposed h at 1.1-1.3x eager's error, where eager switches formula with the layout)."""
+    row-major: cuBLAS rounds z^T h less accurately with it (bf16 weight gradients of a transposed h
+    lost to eager's, which switches formula with the layout)."""
     if hc.device.type == "cuda" and not hc.is_contiguous():
         hc = hc.contiguous()
     a, b = (z.t().float(), hc.float()) if upcast and not out_fp32 else (z.t(), hc)

@@ -106,11 +106,11 @@ class LMHeadOp:
 
 # Made in the forward (for a loss gradient of 1, scaled in the backward), the gradients cost the
 # backward a read of its loss gradient on the host: the host waits there for the GPU to finish the
-# forward, the LM head's matmuls last. Where the host sets the pace (small models: a 135M Llama's
-# step on an H200 spends 23.5 of its 41.5 ms on the GPU), that wait is lost; deferred, the
-# gradients cost one more logits matmul (2 T H V flops) instead. A head on a GPU whose extra matmul
-# is at most DEFER_FLOPS (about a millisecond on an H200) is deferred: at most that is lost where
-# the GPU sets the pace, and the wait, about three times it, is won where the host does.
+# forward, the LM head's matmuls last. Where the host sets the pace (small models, whose GPU idles
+# part of a step), that wait is lost; deferred, the gradients cost one more logits matmul (2 T H V
+# flops) instead. A head on a GPU whose extra matmul is at most DEFER_FLOPS is deferred: that
+# matmul is short beside the wait it saves, so little is lost where the GPU sets the pace and more
+# is won where the host does.
 DEFER_FLOPS = 1e12
 
 

@@ -38,12 +38,10 @@ from .source import UB_BLOCKS, kernel_name, kernel_source, kernels, precision, s
 
 MAX_RANK = 256  # a rank block of at most 256 columns (one tile: the sums over r stay in registers)
 
-# (rows, columns, warps) per kernel's tile on the GPU at ranks up to 16, each the fastest of rows
-# 32/64/128 x columns 64/128 x 4/8 warps summed over a Llama-3.2-1B layer's four (width in, width
-# out) pairs at 16384 rows, rank 16 (H200, 2026-12-01: 1.29x faster, summed over the four pairs, than 32 x 64 x 4).
-# Larger ranks (not measured yet), and the interpreter, keep the smaller tile (the float32 sums of a
-# rank-256 tile fill the registers). grad_ub: its own sweep (rows x columns 64/128/256 x warps x
-# stages, H200, 2026-12-03: 64 x 64 x 4 took 455 us over the four pairs, 64 x 128 x 4 530 us).
+# (rows, columns, warps) per kernel's tile on the GPU at ranks up to 16, each the fastest that
+# benchmarks/tune_lora.py finds over a Llama-3.2-1B layer's four (width in, width out) pairs. Larger
+# ranks (not tuned) and the interpreter keep SMALL_TILE: the float32 sums of a rank-256 tile fill
+# the registers.
 GPU_TILES = {
     "down": (64, 64, 4),
     "up": (64, 128, 4),
@@ -55,34 +53,30 @@ GPU_TILES = {
 }
 SMALL_TILE = (32, 64, 4)
 # Triton's software pipelining depth per kernel on the GPU at the tuned tiles (absent: Triton's
-# default; the down projection's 4 stages 3 % faster than 3 on the H200, 2026-12-03, `tune_lora.py
-# --parts tiles`). Every stage holds one tile of each operand a loop streams: at large ranks
-# (a 64 x 256 float32 adapter tile is 64 KiB) the depth is cut to what the device's shared memory
-# holds (_stages), else Triton refuses the launch.
+# default, which the down projection beats by a stage, `tune_lora.py --parts tiles`). Every stage
+# holds one tile of each operand a loop streams: at large ranks (a 64 x 256 float32 adapter tile
+# is 64 KiB) the depth is cut to what the device's shared memory holds (_stages), else Triton
+# refuses the launch.
 GPU_STAGES: dict[str, int] = {"down": 4}
 TRITON_STAGES = 3  # Triton's default depth on CUDA
 # programs per SM that a kernel summing over a long dim aims at, splitting that dim (its splits'
 # float32 sums added afterwards in a fixed order): the weight gradients over the rows, du over the
-# output width and u over x's (0: not split, one program per row tile summing all of it). The H200, 2026-12-03
-# (`tune_lora.py --parts fills`, summed over the four pairs): 8 programs per SM 11 % (grad_b) and
-# 7 % (grad_a) faster than 2; du is fastest unsplit, and so is u (2026-12-04: the down projection
-# 201 us unsplit, the fastest of the fills swept)
+# output width and u over x's (0: not split, one program per row tile summing all of it). The weight
+# gradients sum over every row and gain from filling the GPU; du and u are fastest unsplit
+# (`tune_lora.py --parts fills`).
 GPU_FILL = {"down": 0, "grad_u": 0, "grad_b": 8, "grad_a": 8, "grad_ub": 8}
 # du and dB from one read of the output's gradient (grad_ub) where the backward needs both; off:
 # grad_u (a row tile across the whole width, du summed in registers) and grad_b, each reading it.
 # Off, because grad_ub's du partial sums, a T x R row per column group and float64 (in float32 they
 # cost du its accuracy where it cancels), are as many bytes as g itself at 64 columns a block,
-# written and read again. On the H200, 2026-12-04: the four pairs' backward 1.220 ms apart against
-# 1.282 fused (`tune_lora.py --parts hard`), the 1B + LoRA step 1.4 % faster apart, its device
-# time 3.8 % (`profile_lora_ub.py`, both builds in one process)
+# written and read again: that costs more than the second read of g it saves (`tune_lora.py
+# --parts hard`, `profile_lora_ub.py`).
 FUSED_UB = False
 # grad_ub's column blocks per program on the GPU (source.UB_BLOCKS): a program of M blocks writes du's
 # partial sums once for its M x BN columns, 1/M of those of one block a program, and keeps M of
-# dB's accumulators. On the H200, 2026-12-04 (`tune_lora.py --parts blocks`, summed over the four
-# pairs): 1 block 461 us, 2 blocks 457 (within the noise), 4 blocks 552 (M accumulators and their
-# operand splits crowd the registers): one block a program, the tuned tile. With du's partial sums
-# in float64 (twice the bytes): 1 block 912 us, 2 blocks 861, 4 blocks 1412 on one host, 859, 866
-# and 1419 on another. The interpreter's (CPU_UB_BLOCKS) is 2, so CI runs the repeated code.
+# dB's accumulators, which with their operand splits crowd the registers as M grows: more than one
+# block a program gains nothing reliable at the tuned tile (`tune_lora.py --parts blocks`). The
+# interpreter's (CPU_UB_BLOCKS) is 2, so CI runs the repeated code.
 GPU_UB_BLOCKS = 1
 CPU_UB_BLOCKS = 2
 

@@ -111,7 +111,7 @@ def _define(sp, name: str) -> LoRAOp:
     x_i, r_i, a_i, b_i = (names.index(n) for n in ("x", "result", "lora_a", "lora_b"))
     # the base output is not saved: no gradient depends on its value (the update is added to it),
     # and the backward passes g (its shape and dtype) in its place. Saved, it would keep every
-    # adapted layer's full output alive until the backward (12 GiB at the Llama-3.2-1B step)
+    # adapted layer's full output alive until the backward, most of a LoRA step's activations
     t_idx = [names.index(n) for n in tensors if n != "result"]
 
     def setup_context(ctx, inputs, output):

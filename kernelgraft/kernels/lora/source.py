@@ -127,23 +127,22 @@ def _exact_in_tf32(dtype: torch.dtype) -> bool:
 
 # The type of the sums over a long width (down over x's, du over the output's): the tensor-core
 # products of one block, each from zero, added across the blocks in float64 and rounded once. Added
-# in float32, a width of 65536 (1024 blocks in sequence) left u 6x eager's error (fp16 x, float32
-# adapters, H200 2026-12-04; cuBLAS splits such a sum). "float32": the benchmarks' comparison.
+# in float32, a wide sum of many blocks in sequence left u well past eager's error (cuBLAS splits
+# such a sum). "float32": the benchmarks' comparison.
 LONG_SUMS = "float64"
 
 
 # du = gv @ B sums over the output's width, and where that sum cancels dA, which sums du's rows,
-# inherits its error. On an H200 (2026-12-04, `tune_lora.py --parts hard`), with the output's
-# gradient exact in TF32 (bf16/fp16, float32 adapters) and B in two TF32 parts:
-#   - products of 64 columns: dA 8.1e-7 against the rule's bound of 4.8e-7 (eager's cuBLAS 5e-9) on
-#     38 constant rows, an output 32771 wide (a tensor core adding a product's terms rounds
-#     coarser than float32); products of 16 columns, each from zero, added in float32, pass it;
-#   - with the column groups' partial sums stored in float32, another case failed (4 rows, fp16:
-#     dA 3.3e-6 against 8.6e-7): the partial sums were 0.4x du there, and each one's float32
-#     rounding added up to several ulps of du. They are float64 now (kernel.py `_grad_ub`).
-# "tf32x2": those two passes, DU_COLUMNS columns a product (the thorough profile passes);
+# inherits its error. With the output's gradient exact in TF32 (bf16/fp16, float32 adapters) and B
+# in two TF32 parts:
+#   - a product of many columns leaves dA past the rule's bound on constant rows of a wide output
+#     (a tensor core adding a product's terms rounds coarser than float32); products of 16
+#     columns, each from zero, added in float32, stay within it;
+#   - the column groups' partial sums can be a large part of du, and each one's float32 rounding
+#     adds up to several ulps of du: they are stored in float64 (kernel.py `_grad_ub`).
+# "tf32x2": those two passes, DU_COLUMNS columns a product (within the rule's bounds);
 # "float64": the products and sums in float64 from g's 32-bit words (`_DU_WORDS`), du within half
-# a float32 ulp, but the LoRA backward 1.8x as long (2.35 against 1.29 ms over the four pairs)
+# a float32 ulp, at the cost of a much longer LoRA backward
 DU_PRODUCTS = "tf32x2"
 DU_COLUMNS = 16  # tl.dot's least; 0: one product per block of columns
 # the defaults, whose kernels keep the module's plain name (kernel_name)
@@ -153,8 +152,8 @@ _DU_TABLE = (DU_COLUMNS, DU_PRODUCTS)
 def sums_in_float64(xd: torch.dtype, ad: torch.dtype) -> bool:
     """x and the adapters both float32: no factor of the long products is exact in TF32, and
     tf32x3's three passes leave each product up to 2^-22 of itself off (4 float32 ulps), summed by a
-    tensor core that rounds coarser than float32 (on an H200, 2026-12-04: x @ A^T over 65536 columns
-    7x eager's error, eager's cuBLAS float32 products on the CUDA cores). Here the products are
+    tensor core that rounds coarser than float32, where eager's cuBLAS takes float32 products on the
+    CUDA cores: a wide x @ A^T lands well past eager's error. Here the products are
     taken in float64 (exact for float32 factors) and summed in float64, the splits' sums too, and
     rounded once to float32: within half a float32 ulp of the true sum, as eager is within a few."""
     return xd == torch.float32 and ad == torch.float32

@@ -11,13 +11,13 @@ from ..spec import LOW, Spec
 def in_float64(spec: Spec) -> bool:
     """Whether a kernel with row statistics (a norm) computes in float64: where every tensor is
     float32 and no value of the spelling is narrower. Loads and stores stay float32, and each stored
-    value (output, statistic, gradient) is rounded once, at its store. Found by the H200's thorough
-    profile (2026-11-30), each in float32:
-    - the statistic: Triton sums a row of 65536 partly in sequence in each thread. On constant rows
-      (every term the same sign) that left the output at 5.7 float32 epsilons of error, eager at 0.8;
+    value (output, statistic, gradient) is rounded once, at its store. In float32 two values lose
+    to eager's:
+    - the statistic: Triton sums a long row partly in sequence in each thread, and on constant rows
+      (every term the same sign) the output's error grows well past eager's;
     - the x gradient rstd * (g*w - x * sum(g*w*x) * rstd^2 / N) cancels where g is nearly parallel
-      to x: Gemma's norm with g = x (rows of 83) gave 2.3x eager's error, each float32 rounding of
-      the two terms amplified by the cancellation.
+      to x (Gemma's norm with g = x), each float32 rounding of the two terms amplified by the
+      cancellation.
     A bf16/fp16 path keeps float32: its roundings are the reference's, and they dominate. Kernels
     without statistics (RoPE, gated MLP) keep float32 too: each element is a short expression of
     its own, with no sum along the row."""
@@ -31,9 +31,9 @@ def in_float64(spec: Spec) -> bool:
 def sum_type(wide: bool) -> str:
     """The type a per-column gradient is summed in over blocks and programs: float64 in a kernel
     that computes in it (in_float64: every tensor float32), rounded once at the end. A float32 sum
-    of the blocks' partial sums, each program's in sequence, gave a float32 weight gradient up to
-    1.8x eager's error (which sums in a cascade); under 4 float32 epsilons it hid under the rule's
-    floor, over it (Gemma 4's k_norm, a 1.28x) it failed."""
+    of the blocks' partial sums, each program's in sequence, leaves a float32 weight gradient past
+    eager's error (which sums in a cascade), and past the rule's floor where that error outgrows it
+    (Gemma 4's k_norm)."""
     return "tl.float64" if wide else "tl.float32"
 
 

@@ -3,16 +3,16 @@ benchmarks/tune_rows.py writes with --write-table), and the rules that read it.
 
 On CUDA a program takes BLOCK_M rows of BLOCK_N (the row padded to a power of two):
 - `warps_by_width`: num_warps by padded row width (the first [width, warps] whose width holds the row);
-- `elements_per_program`: BLOCK_M x BLOCK_N of a kernel that reduces along rows (a norm: 8192,
-  swept on an H200 on 2026-11-30: RMSNorm forward 4096 wide 0.084 -> 0.078 ms with 2 rows, 2048
-  wide 0.043 -> 0.040 ms with 4; num_warps unchanged, so the numbers are the same) or not (4096);
-  at most `max_block_m` rows;
-- `narrow_rows`: rows of at most 128 without a reduction (RoPE's head dims) take 2 warps (64 wide:
-  forward 0.066 -> 0.056 ms, backward 0.079 -> 0.063; 128 wide: 0.110 -> 0.107, 0.120 -> 0.116);
+- `elements_per_program`: BLOCK_M x BLOCK_N of a kernel that reduces along rows (a norm: 8192, more
+  rows a program at the same num_warps, so the numbers are the same) or not (4096); at most
+  `max_block_m` rows;
+- `narrow_rows`: rows of at most 128 without a reduction (RoPE's head dims) take 2 warps, fewer
+  than their width's, as short rows leave more warps idle;
 - `column_sums`: a row-reducing kernel's backward that sums columns (RMSNorm's weight gradient):
-  [BLOCK_M, programs per SM] by padded row width, chosen among configs whose numbers are bitwise the
-  default's (4096 wide 0.168 -> 0.132 ms; 2048 wide, the Llama-3.2-1B's, 0.108 -> 0.082 ms). Other
-  column-summing backwards run `programs_per_sm` programs per SM.
+  [BLOCK_M, programs per SM] by padded row width, the fastest among configs whose numbers are
+  bitwise the default's. Other column-summing backwards run `programs_per_sm` programs per SM.
+- `provenance`: the card and benchmark the CUDA entries were chosen on, with the timings that chose
+  them; read by no rule.
 Under Triton's interpreter numpy does a program's work in one go and the Python around it costs
 per program, so blocks are large (`elements_per_program`: RoPE's 32-wide rows 1024 at a time);
 but numpy sums a column of a block one row after another, so where a program sums columns at most

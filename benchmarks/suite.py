@@ -824,17 +824,52 @@ def _gib(row: dict) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kernelgraft bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
-    ap.add_argument("--parts", default="patterns,lm_head,steps,curves,decode")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="training-step shapes, comma-separated")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="the reference shapes only, no sweep")
     ap.add_argument(
-        "--only", default="", help="pattern cases whose name contains one of these (comma-separated)"
+        "--out",
+        default=os.environ.get("OUT", "benchmarks/out"),
+        help="directory the results are written to (suite.json, suite.md), made if missing "
+        "(default: $OUT, else benchmarks/out)",
     )
     ap.add_argument(
-        "--profile", type=int, default=0, metavar="N", help="break N training steps down by kernel class"
+        "--parts",
+        default="patterns,lm_head,steps,curves,decode",
+        help="parts to run, comma-separated, any of: %(default)s (default: all of them)",
+    )
+    ap.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help="training-step shapes of the steps part, comma-separated, any of: %(default)s "
+        "(default: all of them)",
+    )
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="implementations the steps part measures, comma-separated (a comma inside parentheses does "
+        "not split), any of: %(default)s; or a variant: torch.compile (reduce-overhead), torch.compile "
+        "(cpp wrapper), kernelgraft (inductor, OPTION) or kernelgraft (eager, OPTION), OPTION one of "
+        "bf16 dW, fp32 dW, no recompute, separate recompute, reduce-overhead, host launch, inference "
+        "kernels, no projections, python wrapper, ddp pieces N MB, ddp pieces at buckets "
+        "(default: all of the first list, and the shape's own CUDA-graph modes)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed training steps per shape and mode after two warm-up steps, 1 or more; with --turns, "
+        "rounds (default: %(default)s)",
+    )
+    ap.add_argument("--quick", action="store_true", help="the reference shapes only, no sweep")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="pattern cases whose name contains one of these (comma-separated; default: every case)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="break N training steps down by kernel class (default: 0, none)",
     )
     ap.add_argument(
         "--turns",

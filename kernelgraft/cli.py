@@ -1,7 +1,8 @@
 """kernelgraft: graft generated Triton kernels into Hugging Face models, and check they are as accurate.
 
 `kernelgraft demo | explain | audit | patterns | bench`. Exit codes: 0 success, 1 the check failed
-(loss curves disagree, an audit found a less accurate site or gradient), 2 bad usage.
+(loss curves disagree, an audit found a less accurate site or gradient), 2 an error, said in one line
+on stderr (bad usage, a model that does not build or run).
 """
 
 from __future__ import annotations
@@ -11,18 +12,17 @@ import copy
 import difflib
 import importlib.util
 import os
+import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
+# light: the package's names and submodules load on first use, so --help does not wait for torch
 import kernelgraft
 from kernelgraft.options import BACKENDS
-from kernelgraft.patterns import REGISTRY
 
-# transformers is imported where a model is built: `kernelgraft --help` does not wait for it
+# torch and transformers are imported where a model is built: `kernelgraft --help` does not wait for them
 
 EXAMPLES = """examples:
   kernelgraft demo                      train a tiny Llama 20 steps, stock vs kernelgraft
@@ -34,7 +34,7 @@ EXAMPLES = """examples:
                                         audit a tiny random Llama: per site and parameter, is the
                                         optimized model as accurate as the stock one? (HTML + stdout)
   kernelgraft audit --model ./my-checkpoint --dtype bfloat16 --out audit.html --md audit.md
-  kernelgraft patterns                  the registered patterns and their spellings
+  kernelgraft patterns                  the registered patterns, their spellings and their source
   kernelgraft bench --out results --parts patterns,steps
                                         the GPU benchmark suite of a source checkout
 """
@@ -44,6 +44,11 @@ DEFAULT_ARCH = "llama"  # explain and audit without --arch or --model
 # (hidden, intermediate, layers, heads, kv heads, vocab, batch, seq): big enough on a GPU that
 # tokens/s mean something, small enough on a CPU to finish in seconds under the interpreter
 _DEMO_SIZES = {"cuda": (1024, 2816, 8, 16, 4, 32000, 8, 1024), "cpu": (128, 256, 2, 4, 2, 512, 4, 64)}
+
+
+class UsageError(Exception):
+    """An error found after parsing (an unknown --arch, a directory that is no checkpoint, a model
+    that does not run): main() prints it as one line, `kernelgraft <command>: error: ...`, and exits 2."""
 
 
 def _tiny_llama_config(device: str):
@@ -62,10 +67,13 @@ def _tiny_llama_config(device: str):
     return cfg, B, S
 
 
-def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=sys.stdout) -> int:
+def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=None) -> int:
     """Train a small random Llama beside an identical stock copy; print both loss curves."""
+    import torch
+    from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
+    out = out or sys.stdout
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = backend or ("inductor" if device == "cuda" else "eager")
@@ -130,93 +138,120 @@ def demo(steps: int = 20, device: str = "auto", backend: str | None = None, out=
     return 0 if agree else 1
 
 
-def _tiny_arch(arch: str, layers: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        arch,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        head_dim=16,
-    )
-    return AutoModelForCausalLM.from_config(cfg)
-
-
-class UsageError(Exception):
-    """Bad usage found after parsing (an unknown --arch, a directory that is no checkpoint): main()
-    prints it as one line, `kernelgraft <command>: error: ...`, and exits 2."""
-
-
-def _model_types() -> list[str]:
-    """transformers' model types (the `model_type` of a config.json), registered ones included."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
-
-    return list(dict.fromkeys([*CONFIG_MAPPING_NAMES, *CONFIG_MAPPING.keys()]))
+# --- the model explain and audit work on: a tiny random one of --arch, or a --model checkpoint ---
 
 
 def check_arch(arch: str) -> None:
-    """UsageError for a model type transformers does not know, naming the close ones."""
-    known = _model_types()
-    if arch in known:
-        return
-    close = difflib.get_close_matches(arch.lower(), known, n=5, cutoff=0.6)
-    hint = f"close matches: {', '.join(close)}" if close else "no close match among transformers' model types"
-    raise UsageError(f"--arch {arch!r} is not a transformers model type ({hint})")
+    """UsageError for a model type transformers does not know (naming the close ones) or has no
+    causal LM of."""
+    known = kernelgraft.tiny.model_types()
+    if arch not in known:
+        close = difflib.get_close_matches(arch.lower(), known, n=5, cutoff=0.6)
+        hint = (
+            f"close matches: {', '.join(close)}"
+            if close
+            else "no close match among transformers' model types"
+        )
+        raise UsageError(f"--arch {arch!r} is not a transformers model type ({hint})")
+    if arch not in kernelgraft.tiny.causal_lm_types():
+        raise UsageError(
+            f"--arch {arch}: transformers has no causal LM of this model type; give a decoder's "
+            "(e.g. llama, qwen3, gemma2, mistral)"
+        )
 
 
-def load_model(arch: str | None = None, model_dir: str | None = None, layers: int = 2, dtype="auto"):
-    """A tiny random model of `arch`, or the local checkpoint in `model_dir` (never downloaded); a
-    UsageError (its first line) where transformers cannot build a causal LM from it."""
-    from transformers import AutoModelForCausalLM
+def model_ways(arch: str | None, model_dir: str | None, layers: int = 2, dtype=None, seed: int = 0):
+    """[(what it is built from, build() -> model)]: the checkpoint in `model_dir` (never downloaded),
+    or a tiny random model of `arch` from the tiny config, then from the repaired one (the
+    architecture's default config made tiny), as the README's coverage table builds it."""
+    if model_dir is not None:
+        from transformers import AutoModelForCausalLM
 
+        load = dict(local_files_only=True, dtype=dtype if dtype is not None else "auto")
+        return [("the checkpoint", lambda: AutoModelForCausalLM.from_pretrained(model_dir, **load))]
+    check_arch(arch)
+    import torch
+
+    return kernelgraft.tiny.tiny_ways(arch, dtype if dtype is not None else torch.float32, layers, seed)
+
+
+def _failure(where: str, how: str, e: BaseException, tiny: bool, named: bool = False) -> str:
+    """Why a way did not run, and whose failure it is, in words; `named`: the way named in it."""
+    tg = kernelgraft.tiny
+    what = tg.first_line(e, 200)
+    batch, way = ("a tiny batch" if tiny else "a random batch"), (f"with {how}, " if named else "")
+    if isinstance(e, tg.NotTiny):
+        return f"the model of {how} is not tiny ({e})"
+    if where == tg.BUILD:
+        return (
+            f"transformers cannot {f'build a model of {how}' if tiny else 'load it as a causal LM'} ({what})"
+        )
+    if where == tg.STOCK:
+        return f"{way}the stock model fails on {batch} without kernelgraft ({what})"
+    return f"{way}kernelgraft fails on {batch} that the stock model runs ({what}); please report it"
+
+
+def run_first(what: str, ways, inputs, run, tiny: bool, note=None):
+    """run(model, **inputs(model)) on the model of the first of `ways` that builds, runs on its
+    inputs without kernelgraft, and runs under `run`: the coverage table's choice of config. A
+    UsageError `what: why` where none does, saying whose failure it is (transformers', the stock
+    model's or kernelgraft's). `tiny`: the ways build tiny random models, quietly (else a checkpoint).
+    note(line) is told why the ways before the one taken were not."""
     try:
-        if model_dir is not None:
-            return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
-        check_arch(arch)
-        model = _tiny_arch(arch, layers)
-        return model if dtype == "auto" else model.to(dtype)
-    except (ValueError, OSError) as e:
-        what = f"--model {model_dir}" if model_dir is not None else f"--arch {arch}"
-        raise UsageError(f"{what}: {str(e).strip().splitlines()[0]}") from e
+        result, failed = kernelgraft.tiny.first_that_runs(ways, inputs, run, quietly=tiny)
+    except kernelgraft.tiny.NoneRan as e:
+        raise UsageError(f"{what}: {_failure(*e.telling, tiny)}") from e
+    if failed and note is not None:
+        taken = ways[len(failed)][0]
+        note(f"{what}: built from {taken}: {_failure(*failed[-1], tiny, named=True)}")
+    return result
 
 
-def _batch(model, batch: int, seq: int, device="cpu"):
-    vocab = model.get_input_embeddings().weight.shape[0]
-    return torch.randint(0, vocab, (batch, seq), device=device)
+def _source(arch: str | None, model_dir: str | None) -> str:
+    return f"--model {model_dir}" if model_dir is not None else f"--arch {arch}"
+
+
+def _vocab(model_dir: str | None) -> int | None:
+    """The token ids' bound: a tiny model's vocabulary, as the coverage table's batches; a
+    checkpoint's own (None)."""
+    return None if model_dir is not None else kernelgraft.tiny.VOCAB
 
 
 def explain_model(
-    arch: str | None = DEFAULT_ARCH, model_dir: str | None = None, layers: int = 2, out=None
+    arch: str | None = DEFAULT_ARCH, model_dir: str | None = None, layers: int = 2, out=None, note=None
 ) -> int:
     """`kernelgraft explain`: what would be replaced in a tiny random --arch model or a --model checkpoint."""
     out = out or sys.stdout
-    torch.manual_seed(0)
-    model = load_model(arch, model_dir, layers)
-    ids = _batch(model, 2, 16)
-    print(kernelgraft.explain(model, input_ids=ids, labels=ids), file=out)
+    ways = model_ways(arch, model_dir, layers)
+    report = run_first(
+        _source(arch, model_dir),
+        ways,
+        kernelgraft.tiny.random_inputs(2, 16, vocab=_vocab(model_dir)),
+        kernelgraft.explain,
+        model_dir is None,
+        note,
+    )
+    print(report, file=out)
     return 0
 
 
-def audit_cmd(a, out=None) -> int:
+def audit_cmd(a, out=None, note=None) -> int:
     """`kernelgraft audit`: a tiny random model of --arch, or a local checkpoint (--model PATH)."""
+    import torch
+
     out = out or sys.stdout
-    torch.manual_seed(a.seed)
-    model = load_model(a.arch, a.model, a.layers, getattr(torch, a.dtype)).to(a.device)
-    ids = _batch(model, a.batch, a.seq, a.device)
-    labels = ids.clone()
-    labels[:, : a.seq // 4] = -100  # a prompt that is not trained on, as in fine-tuning
-    rep = kernelgraft.audit(
-        model,
-        input_ids=ids,
-        labels=labels,
-        backend=a.backend,
-        compile_reference=not a.no_compile_reference,
-        progress=True,
-    )
+    ways = [
+        (how, lambda build=build: build().to(a.device))
+        for how, build in model_ways(a.arch, a.model, a.layers, getattr(torch, a.dtype), a.seed)
+    ]
+
+    def audit(model, **kw):
+        return kernelgraft.audit(
+            model, **kw, backend=a.backend, compile_reference=not a.no_compile_reference, progress=True
+        )
+
+    inputs = kernelgraft.tiny.random_inputs(a.batch, a.seq, a.device, a.seed, True, _vocab(a.model))
+    rep = run_first(_source(a.arch, a.model), ways, inputs, audit, a.model is None, note)
     print(rep.to_markdown(), file=out)
     if a.out:
         rep.to_html(a.out)
@@ -227,29 +262,54 @@ def audit_cmd(a, out=None) -> int:
     return 0 if rep.ok else 1
 
 
-def patterns(out=sys.stdout) -> int:
-    for name in REGISTRY.names():
+def patterns(out=None) -> int:
+    """Each registered pattern, its spellings' signatures, and each spelling's source as written."""
+    out = out or sys.stdout
+    registry = kernelgraft.patterns.REGISTRY
+    for name in registry.names():
         print(f"{name}:", file=out)
-        for sp in REGISTRY.spellings([name]):
+        for sp in registry.spellings([name]):
             args = ", ".join(f"{a}: Scalar" if a in sp.scalar_names else a for a in sp.arg_names)
             print(f"  {sp.name}({args})", file=out)
-            for line in sp.source.splitlines()[2:]:
-                print(f"      {line.strip()}", file=out)
+            try:
+                source = textwrap.dedent(sp.source)
+            except (OSError, TypeError):  # a spelling defined where Python keeps no source (a REPL)
+                source = "(source not available)\n"
+            print(textwrap.indent(source, " " * 6), end="", file=out)
     return 0
 
 
-def bench(args: list[str], parser) -> int:
+SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
+
+
+def bench(args: list[str]) -> int:
     """Forward to the GPU benchmark suite of a source checkout (benchmarks/suite.py beside the package)."""
-    suite = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
-    if not suite.is_file():
-        parser.error(
-            f"kernelgraft bench runs the GPU benchmark suite of a source checkout, and {suite} does not "
-            "exist: clone the repository and run it there (the benchmarks are not part of the installed package)"
+    if not SUITE.is_file():
+        raise UsageError(
+            f"it runs the GPU benchmark suite of a source checkout, and {SUITE} does not exist: clone the "
+            "repository and run it there (the benchmarks are not part of the installed package)"
         )
-    spec = importlib.util.spec_from_file_location("kernelgraft_bench_suite", suite)
+    spec = importlib.util.spec_from_file_location("kernelgraft_bench_suite", SUITE)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.main(args)
+
+
+# --- the parser ---
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line on stderr (no usage block) and exit 2, as every error
+    of the command line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _device(text: str) -> str:
+    if re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: give cpu, cuda or cuda:N")
 
 
 def _add_source(sp: argparse.ArgumentParser) -> None:
@@ -257,8 +317,8 @@ def _add_source(sp: argparse.ArgumentParser) -> None:
     src = sp.add_mutually_exclusive_group()
     src.add_argument(  # default None, not "llama": argparse tells a given --arch from its default by identity
         "--arch",
-        help=f"a transformers model type (e.g. llama, qwen3, gemma2, mistral) for a tiny random model "
-        f"(default: {DEFAULT_ARCH})",
+        help="a model type of the installed transformers that has a causal LM (e.g. llama, qwen3, gemma2, "
+        f"mistral, deepseek_v3), for a tiny random model of it: hidden 64, vocabulary 128 (default: {DEFAULT_ARCH})",
     )
     src.add_argument(
         "--model",
@@ -269,21 +329,24 @@ def _add_source(sp: argparse.ArgumentParser) -> None:
         "--layers",
         type=int,
         default=2,
-        help="layers of the tiny random model of --arch (default: %(default)s)",
+        help="layers of the tiny random model of --arch, 1 or more (default: %(default)s)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kernelgraft",
         description=__doc__.split("\n\n")[0],
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
     d = sub.add_parser("demo", help="train a tiny Llama stock vs kernelgraft and compare the loss curves")
     d.add_argument(
-        "--steps", type=int, default=20, help="training steps of each model (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=20,
+        help="training steps of each model, 1 or more (default: %(default)s)",
     )
     d.add_argument(
         "--device",
@@ -319,7 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="dtype the model is audited in (default: %(default)s)",
     )
-    au.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    au.add_argument(
+        "--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"
+    )
     au.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -327,25 +392,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile backend of the optimized model (default: %(default)s)",
     )
     au.add_argument(
-        "--batch", type=int, default=2, help="sequences in the random batch (default: %(default)s)"
+        "--batch",
+        type=int,
+        default=2,
+        help="sequences in the random batch, 1 or more (default: %(default)s)",
     )
     au.add_argument(
         "--seq",
         type=int,
         default=16,
-        help="tokens per sequence; the first quarter is a prompt without labels (default: %(default)s)",
+        help="tokens per sequence, 2 or more; the first quarter is a prompt without labels (default: %(default)s)",
     )
     au.add_argument(
-        "--seed", type=int, default=0, help="seed of the random model and batch (default: %(default)s)"
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random model and batch, an integer (default: %(default)s)",
     )
-    au.add_argument("--out", metavar="HTML", help="write the HTML report here")
-    au.add_argument("--md", metavar="MD", help="write the Markdown report here")
+    au.add_argument("--out", metavar="HTML", help="write the HTML report to this file")
+    au.add_argument("--md", metavar="MD", help="write the Markdown report to this file")
     au.add_argument(
         "--no-compile-reference",
         action="store_true",
         help="compare with eager only: skip the torch.compile reference of each site (faster)",
     )
-    sub.add_parser("patterns", help="list the registered patterns and their spellings")
+    sub.add_parser("patterns", help="list the registered patterns, their spellings and each one's source")
     sub.add_parser(
         "bench",
         help="run the GPU benchmark suite of a source checkout (its options: kernelgraft bench --help)",
@@ -359,44 +430,67 @@ def _subparser(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser
     return action.choices[name]
 
 
-def _usage_error(sp: argparse.ArgumentParser, message: str):
-    """One line on stderr, as argparse words its errors, and exit 2 (no usage block, no traceback)."""
-    print(f"{sp.prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+def _check_device(device: str) -> None:
+    """UsageError where --device names a CUDA GPU that is not visible."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UsageError(
+            f"--device {device}: {torch.cuda.device_count()} CUDA GPU(s) visible, numbered from 0"
+        )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # every later argument belongs to the suite, --help included
-        return bench(argv[1:], _subparser(p, "bench"))
-    a = p.parse_args(argv)
-    sp = _subparser(p, a.cmd)
+def _run(a, sp: argparse.ArgumentParser) -> int:
+    note = lambda line: print(f"{sp.prog}: note: {line}", file=sys.stderr)  # noqa: E731
     if a.cmd == "demo":
         if a.steps < 1:
-            sp.error("--steps must be at least 1")
-        if a.device == "cuda" and not torch.cuda.is_available():
-            sp.error("--device cuda: no CUDA GPU is visible; use --device cpu")
+            raise UsageError("--steps must be at least 1")
+        _check_device(a.device)
         return demo(a.steps, a.device, a.backend)
     if a.cmd == "patterns":
         return patterns()
     # explain, audit: a model from --arch or --model
     if a.model is not None and not os.path.isdir(a.model):
-        sp.error(f"--model {a.model}: not a directory; give a local Hugging Face checkpoint directory")
+        raise UsageError(
+            f"--model {a.model}: not a directory; give a local Hugging Face checkpoint directory"
+        )
     if a.model is None and a.arch is None:
         a.arch = DEFAULT_ARCH
     if a.layers < 1:
-        sp.error("--layers must be at least 1")
+        raise UsageError("--layers must be at least 1")
+    if a.cmd == "explain":
+        return explain_model(a.arch, a.model, a.layers, note=note)
+    if a.batch < 1:
+        raise UsageError("--batch must be at least 1")
+    if a.seq < 2:
+        raise UsageError("--seq must be at least 2")
+    _check_device(a.device)
+    return audit_cmd(a, note=note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cmd = argv[0] if argv else None
     try:
-        if a.cmd == "explain":
-            return explain_model(a.arch, a.model, a.layers)
-        if a.batch < 1 or a.seq < 2:
-            sp.error("--batch must be at least 1, --seq at least 2")
-        if a.device.startswith("cuda") and not torch.cuda.is_available():
-            sp.error("--device cuda: no CUDA GPU is visible; use --device cpu")
-        return audit_cmd(a)
+        if cmd == "bench":  # every later argument belongs to the suite, --help included
+            return bench(argv[1:])
+        a, extra = p.parse_known_args(argv)
+        sp = _subparser(p, a.cmd)
+        if extra:  # said by the subcommand's parser, whose options they were meant to be
+            sp.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _run(a, sp)
     except UsageError as err:
-        _usage_error(sp, str(err))
+        print(f"kernelgraft {cmd}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except BrokenPipeError:  # the reader stopped reading (a pipe into head): nothing of ours failed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # test processes (pytest-xdist): the default suite takes about 14-15 min in two on a 2-core machine
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow gpu-test coverage lint clean
+.PHONY: demo test test-slow gpu-test coverage lint docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ coverage: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check kernelgraft tests
+
+# the documentation site (mkdocs.yml): docs/ and the docstrings, built into site/; a broken link fails it
+docs: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,7 +38,7 @@ ARCHS = [
 ]
 # the same matrix on the GPU (compiled Triton instead of the interpreter): `pytest -m gpu`
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parent.parent / "docs" / "architectures.md"
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
 
 

@@ -1,4 +1,5 @@
-"""Every python block of the README runs (in a fresh process: the README registers a pattern)."""
+"""Every python block of the README and of the docs pages with examples runs (each in a fresh
+process: one registers a pattern), and so does every `kernelgraft ...` line of their shell blocks."""
 
 import re
 import subprocess
@@ -7,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+# the pages whose examples are meant to run as written (the README's quickstart is shown there too)
+PAGES = [README] + [(ROOT / "docs" / p).read_text() for p in ("getting-started.md", "patterns.md", "audits.md")]
+BLOCKS = [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page, re.S)]
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2
+    assert re.findall(r"```python\n(.*?)```", README, re.S), "the README lost its quickstart"
+    # each kind of example the checks below hold to its output is still there
+    for marker in ("counts()", "audit_kernel", "kernelgraft.audit(", "@kernelgraft.pattern("):
+        assert any(marker in b for b in BLOCKS), marker
 
 
 @pytest.mark.slow
@@ -49,7 +56,8 @@ def _fenced(text: str) -> list[tuple[str, list[str]]]:
 
 CLI_LINES = [
     ln.strip()
-    for lang, lines in _fenced(README)
+    for page in PAGES
+    for lang, lines in _fenced(page)
     if lang in ("", "bash", "sh")
     for ln in lines
     if ln.strip().startswith("kernelgraft ")

@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import kernelgraft
 from kernelgraft.kernels import op_for
 from kernelgraft.kernels.lm_head import op_for as lm_head_op_for
+from kernelgraft.kernels.lora import kernel as lora_kernel
 from kernelgraft.kernels.rows import pair_op_for, row_kernel
 from kernelgraft.kernels.rows import tuning as row_tuning
 from kernelgraft.kernels.rows.layout import layout, split_args
@@ -30,6 +31,7 @@ ROUNDING = "fused"  # the inductor backend's kernels
 def _an_h200s_sm_count(monkeypatch):
     # the backward's program count reads the GPU's SM count; this machine has none
     monkeypatch.setattr(row_tuning, "sm_count", lambda index: 132)
+    monkeypatch.setattr(lora_kernel, "sm_count", lambda index: 132)
 
 
 def _graph(fn, args):

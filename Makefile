@@ -41,7 +41,7 @@ lint: $(VENV)/.installed
 # the documentation site (mkdocs.yml): docs/ and the docstrings, built into site/; a broken link fails it
 docs: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[docs]"
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build *.egg-info

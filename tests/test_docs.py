@@ -54,3 +54,12 @@ def test_optimize_help_has_every_option_doc():
     for name, doc in field_docs().items():
         assert f"{name}: {' '.join(doc.split())}" in helptext, name
     assert "kernelgraft.optimize(m, backend=\"eager\") is m" in helptext  # the doctest stays
+
+
+def test_readme_links_point_at_files():
+    """Every relative link of the README (docs pages, benchmark data, notebooks) names a file of the
+    repository; mkdocs checks the docs pages' own links."""
+    links = [t for t in re.findall(r"\]\(([^)]+)\)", README) if "://" not in t]
+    assert len(links) >= 10
+    missing = [t for t in links if not (ROOT / t.split("#")[0]).is_file()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"

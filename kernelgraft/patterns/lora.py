@@ -9,7 +9,13 @@ plain linear (with or without a bias), its own node in the graph, as in the mode
 the adapters' dtype only where they differ (float32 adapters on a bf16/fp16 model, its default), so
 a layer whose adapters share x's dtype (a float32 model, or `autocast_adapter_dtype=False`) has no
 cast: both are spelled. `scaling` is lora_alpha / r (or / sqrt(r) with rsLoRA): a number the
-matcher captures. Dropout before lora_A, several active adapters, DoRA and merged adapters are
+matcher captures.
+
+peft's layers over bitsandbytes' 4-bit base layers (QLoRA) add each adapter's update cast to the
+base output's dtype, `result + (lora_B(lora_A(x.to(A.dtype))) * scaling).to(result.dtype)`, to a
+clone of the base output: the `peft_4bit` spellings (x cast to the adapters' dtype where it
+differs; under autocast neither cast). Their gradients are the same; the kernels add
+in float32 and round the sum once, where this spelling rounds the update first (no less accurate). Dropout before lora_A, several active adapters, DoRA and merged adapters are
 other graphs, reported as near misses where they resemble these.
 """
 
@@ -43,3 +49,18 @@ def peft(x, result, lora_a, lora_b, scaling: Scalar):
 @pattern("lora", spelling="peft_same_dtype", kernel="lora", example=_example_same)
 def peft_same_dtype(x, result, lora_a, lora_b, scaling: Scalar):
     return (result + F.linear(F.linear(x, lora_a), lora_b) * scaling).to(result.dtype)
+
+
+@pattern("lora", spelling="peft_4bit", kernel="lora", example=_example)
+def peft_4bit(x, result, lora_a, lora_b, scaling: Scalar):
+    return result + (F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b) * scaling).to(result.dtype)
+
+
+@pattern("lora", spelling="peft_4bit_same_dtype", kernel="lora", example=_example_same)
+def peft_4bit_same_dtype(x, result, lora_a, lora_b, scaling: Scalar):
+    return result + (F.linear(F.linear(x, lora_a), lora_b) * scaling).to(result.dtype)
+
+
+@pattern("lora", spelling="peft_4bit_autocast", kernel="lora", example=_example_same)
+def peft_4bit_autocast(x, result, lora_a, lora_b, scaling: Scalar):
+    return result + F.linear(F.linear(x, lora_a), lora_b) * scaling

@@ -33,6 +33,10 @@ class LoRAOp:
         return tuple(args[a] if a not in sp.scalar_names else float(args[a]) for a in sp.arg_names)
 
 
+# spellings that add the update cast to the base output's dtype: `result + (update).to(result.dtype)`
+ROUNDS_UPDATE_FIRST = frozenset({"peft_4bit", "peft_4bit_same_dtype", "peft_4bit_autocast"})
+
+
 def op_for(spelling) -> LoRAOp:
     name = op_name(spelling, "", ABI)
     return cached_op(name, lambda: _define(spelling, name))
@@ -58,10 +62,17 @@ def _define(sp, name: str) -> LoRAOp:
         n = dict(zip(names, args))
         return n["x"], n["result"], n["lora_a"], n["lora_b"], n[scalar]
 
+    # the update rounded to the output's dtype before the add (peft's layers over 4-bit bases), where
+    # that is not the sum's own rounding: the kernel makes the rounded update, the add is the spelling's
+    first = sp.name in ROUNDS_UPDATE_FIRST
+
     def impl(*args):
         x, result, A, B, s = parts(args)
         if not has_failed(kernel.kernel_name(x.dtype, A.dtype, result.dtype), x.device.type):
             try:
+                if first and torch.promote_types(result.dtype, A.dtype) != result.dtype:
+                    update, u = kernel.forward(x, torch.zeros_like(result), A, B, s)
+                    return result + update, u
                 return kernel.forward(x, result, A, B, s)
             except Exception as e:  # noqa: BLE001 - compile or launch failure: the stock code runs
                 if tracing():  # traced for inductor: left to launch from the host, nothing marked failed

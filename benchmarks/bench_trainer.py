@@ -23,7 +23,8 @@ and notes; kernelgraft over stock and over Liger by tokens/s, step time paired b
 time. DIR/trainer.json (date, host, GPU, versions, commit; an earlier file's other parts kept unless
 `--fresh`) and trainer.md are rewritten after every round. One GPU visible, else DataParallel runs.
 
-    python benchmarks/bench_trainer.py --out benchmarks/results/trainer    # on the GPU (--parts: one each)
+    python benchmarks/bench_trainer.py --out benchmarks/out/trainer    # on the GPU (--parts: one each);
+        # published as benchmarks/results/trainer/<date>-trainer.json for benchmarks/results_md.py
     python benchmarks/bench_trainer.py --out DIR --quick                   # 2 layers, 2 x 512, 2 rounds
     python benchmarks/bench_trainer.py --out DIR --cpu-smoke               # no GPU: a tiny Llama in
         float32 under the Trainer's bf16 autocast, the eager backend, Triton's interpreter

@@ -89,7 +89,7 @@ def profile_mode(
     if rep is not None:
         res["launched_by"] = dict(rep.launched_by)
         res["sites"] = rep.counts()
-        res["left_to_inductor"] = sum(f.reason.startswith("left to inductor") for f in rep.fallbacks)
+        res["left_to_inductor"] = sum(f.reason.startswith("left to inductor") for f in rep.current().fallbacks)
     model.to("meta")
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

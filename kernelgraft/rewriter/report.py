@@ -217,6 +217,17 @@ class RewriteReport:
         part.per_call = {capture: ran} if ran else {}
         return part
 
+    def current(self) -> RewriteReport:
+        """The records of the graphs that run now: for each kind of graph, those its latest call
+        ran (`of`), together. `.sites` and the other lists keep every capture's records."""
+        part = RewriteReport(graphs=self.graphs)
+        for k in self.captures():
+            kind = self.of(k)
+            part.add(kind)
+            part.graphs_by[k] = kind.graphs
+            part.per_call.update(kind.per_call)
+        return part
+
     def times(self, record) -> int:
         """How many times the graph holding `record` ran in the latest call of its kind (a frame
         dynamo resumes after a graph break runs once per layer): its kernels launch that often."""

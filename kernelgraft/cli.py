@@ -285,14 +285,16 @@ SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "suite.py"
 def bench(args: list[str]) -> int:
     """Forward to the GPU benchmark suite of a source checkout (benchmarks/suite.py beside the package)."""
     if not SUITE.is_file():
-        raise UsageError(
-            f"it runs the GPU benchmark suite of a source checkout, and {SUITE} does not exist: clone the "
-            "repository and run it there (the benchmarks are not part of the installed package)"
-        )
-    spec = importlib.util.spec_from_file_location("kernelgraft_bench_suite", SUITE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main(args)
+        raise UsageError(f"it runs the GPU benchmark suite of a source checkout, and {SUITE} does not exist: "
+                         "clone the repository and run it there (the benchmarks are not part of the installed package)")
+    mods = {}
+    for name in ("suite_args", "suite"):  # the command line first, without torch: --help and errors at once
+        spec = importlib.util.spec_from_file_location(f"kernelgraft_bench_{name}", SUITE.with_name(f"{name}.py"))
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+        if name == "suite_args":
+            mods[name].parser().parse_args(args)
+    return mods["suite"].main(args)
 
 
 # --- the parser ---

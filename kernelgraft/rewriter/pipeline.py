@@ -271,10 +271,13 @@ def _unserved_adapters(g: Graft) -> list[Unserved]:
         served = [r for r in g.report.sites if r.module == layer and r.pattern == "lora"]
         if not served and any(r.module == layer and r.pattern == "lora" for r in g.report.fallbacks + g.report.near_misses):
             continue  # refused, or a near miss: reported there, with why
+        kind = next((c for p, c in stack if readable_path(p) == layer), None)
+        kind = f"{kind.__module__}.{kind.__qualname__}" if isinstance(kind, type) else str(kind or "a layer")
         why = (
             "another active adapter of this layer is served; a layer's further active adapters run stock code"
             if served
-            else "no lora pattern matched or came close"
+            else f"no lora pattern matched or came close: the adapted layer is {kind}, whose adapter path "
+            "none of the lora spellings writes"
         )
         out.append(Unserved(layer, "lora", f"adapter {found['name']!r}", why))
     return out

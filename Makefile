@@ -33,7 +33,7 @@ gpu-test: $(VENV)/.installed
 
 # every causal-LM architecture of the installed transformers, tiny and explained: the README's table
 coverage: $(VENV)/.installed
-	$(BIN)/python tests/coverage_all.py --write
+	$(BIN)/python tests/models/coverage_all.py --write
 
 lint: $(VENV)/.installed
 	$(BIN)/python -m pip install -q ruff && $(BIN)/ruff check kernelgraft tests

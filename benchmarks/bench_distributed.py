@@ -155,7 +155,7 @@ def wrap(model, how: str, dev: torch.device, bucket_mb: float | None = None):
 
 
 def prepare(setup: str, mode: str, dev: torch.device, tiny: bool, world: int, bucket_mb: float | None = None):
-    """The model of one run, in the same order for every mode (the order tests/dist_worker.py checks
+    """The model of one run, in the same order for every mode (the order tests/helpers/dist_worker.py checks
     under DDP and FSDP2 on gloo):
       1. build it on this rank's device from seed 0 (the same weights on every rank);
       2. apply the mode to the bare model: model.compile(), kernelgraft.optimize() or Liger's patch

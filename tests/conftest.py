@@ -1,14 +1,20 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The shared test modules (tiny models, the op checks, the Trainer's helpers, the subprocess workers)
+# live in tests/helpers/: on the path, every test folder imports them by name.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 # Hypothesis: a small profile in CI (CPU, Triton interpreter), a thorough one on the GPU.
 try:
     from hypothesis import HealthCheck, settings
 
     # ci draws the same examples on every run (derandomize): a landing never hangs on a new draw; the
-    # thorough profile draws anew each time, to explore (rare cases such as tests/test_gpu.py's float32
+    # thorough profile draws anew each time, to explore (rare cases such as tests/gpu/test_gpu.py's float32
     # norm cases come from such draws)
     settings.register_profile(
         "ci", max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)

@@ -21,7 +21,7 @@ points (Gemma-2's softcap runs in bf16 in the model: each op rounds). The matmul
 
 Weight-gradient accumulation over chunks (`accumulate`):
     "fp32"   (default) an fp32 buffer of W's shape, rounded once at the end: the same error as the
-             unfused model (tests/test_lm_head.py checks it). Costs 4 bytes per weight element.
+             unfused model (tests/kernels/test_lm_head.py checks it). Costs 4 bytes per weight element.
     "weight" in W's dtype, rounded after every chunk: half the memory, an error that grows with
              the number of chunks (close to eager's over a few long chunks, above it over many
              short ones).

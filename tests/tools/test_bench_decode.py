@@ -1,0 +1,42 @@
+"""benchmarks/bench_decode.py's measurement, run on the CPU on a tiny Llama: every mode decodes,
+kernelgraft's tokens are eager's, and the table says so (the GPU figures are RESULTS.md's)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_decode  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+
+
+@pytest.mark.slow  # over 20 s on a 2-core CPU: `make test-slow`
+def test_decode_measures_every_mode_and_compares_tokens_with_eager():
+    res = bench_decode.run(
+        batches=(1, 2), prompt=6, new=4, modes=("eager", "kernelgraft (eager)"), device="cpu",
+        cfg=TINY, dtype=torch.float32, rounds=2,
+    )  # fmt: skip
+    assert set(res) == {"batch 1", "batch 2"}
+    for key, B in (("batch 1", 1), ("batch 2", 2)):
+        eager, mine = res[key]["eager"], res[key]["kernelgraft (eager)"]
+        assert "error" not in mine, mine
+        assert len(mine["tokens"]) == B and all(len(t) == 4 for t in mine["tokens"])
+        assert mine["tokens"] == eager["tokens"] and mine["repeatable"]
+        assert mine["agreement"] == dict(identical=B, of=B, diverged=[])
+        assert mine["tok_s"] > 0 and mine["first_call_s"] > 0
+        assert len(mine["times_ms"]) == len(eager["times_ms"]) == 2  # one timed generate() per round
+    md = bench_decode.markdown(res)
+    assert "**Greedy decoding, batch 2** (6-token prompt, 4 new tokens)" in md
+    assert "| kernelgraft (eager) |" in md and "| 2 of 2 |" in md
+
+
+def test_agreement_reports_where_a_sequence_leaves_eagers():
+    ref = dict(tokens=[[1, 2, 3], [4, 5, 6]], prompt=[[0], [0]])
+    got = dict(tokens=[[1, 2, 3], [4, 7, 6]])
+    a = bench_decode.agreement(ref, got)
+    assert a == dict(identical=1, of=2, diverged=[dict(sequence=1, position=1, top_two_gap=None)])

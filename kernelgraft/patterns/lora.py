@@ -61,6 +61,7 @@ def peft_4bit_same_dtype(x, result, lora_a, lora_b, scaling: Scalar):
     return result + (F.linear(F.linear(x, lora_a), lora_b) * scaling).to(result.dtype)
 
 
-@pattern("lora", spelling="peft_4bit_autocast", kernel="lora", example=_example_same)
+# no near misses: a scaled matmul added to anything is every scaled residual (Granite's)
+@pattern("lora", spelling="peft_4bit_autocast", kernel="lora", example=_example_same, near_misses=False)
 def peft_4bit_autocast(x, result, lora_a, lora_b, scaling: Scalar):
     return result + F.linear(F.linear(x, lora_a), lora_b) * scaling

@@ -91,6 +91,9 @@ class Spelling:
     # the output is recomputed in the backward (from the inputs the kernel's backward keeps anyway)
     # rather than saved for the ops that read it, where the compiler partitions (inductor backend)
     recompute: bool = False
+    # a failed match is reported as a near miss; off for a spelling so plain that unrelated code
+    # resembles it (an add of a scaled matmul: every scaled residual)
+    near_misses: bool = True
     _canonical: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +195,7 @@ def pattern(
     may_withhold: bool = False,
     example: Callable | None = None,
     recompute: bool = False,
+    near_misses: bool = True,
 ):
     """Register a plain PyTorch function as a spelling of pattern `name`.
 
@@ -242,6 +246,7 @@ def pattern(
             may_withhold,
             example,
             recompute,
+            near_misses=near_misses,
         )
         g = sp.canonical()  # trace now: a pattern that cannot be traced fails where it is written
         opaque = sorted({n.op.removeprefix("opaque:") for n in g.nodes if n.op.startswith("opaque")})

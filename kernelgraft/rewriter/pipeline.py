@@ -119,7 +119,7 @@ def _serve(g: Graft, m: Match) -> None:
 def near_misses(g: Graft) -> None:
     best: dict = {}
     for sp, n_ops, anchor, f in g.failures:
-        if anchor.fx in g.taken:
+        if anchor.fx in g.taken or not sp.near_misses:
             continue
         nm = near_miss(sp, n_ops, anchor, f, g.taken)
         if nm is None:

@@ -122,10 +122,14 @@ def test_halves_at_odd_and_even_widths(pattern, spelled, width, rows, dtype, bac
     eager = _run(stock, x, g)
     model = kernelgraft.optimize(Swap(spelled, width, dtype), backend=backend, patterns=reg)
     got = _run(model, x, g)
+    # under inductor the kernel rounds as inductor's fused code: the rule's bound is the larger of
+    # eager's and torch.compile's errors
+    compiled = _run(torch.compile(Swap(spelled, width, dtype), backend="inductor"), x, g) if backend == "inductor" else None
     bad = [
         str(v)
         for v in (
-            judge(what, t, k, e) for what, t, k, e in zip(("out", "grad x", "grad w"), truth, got, eager)
+            judge(what, t, k, e, c)
+            for what, t, k, e, c in zip(("out", "grad x", "grad w"), truth, got, eager, compiled or (None,) * 3)
         )
         if not v.ok
     ]

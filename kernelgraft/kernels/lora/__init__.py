@@ -13,6 +13,8 @@ from . import kernel, op, source
 from .op import LoRAOp, op_for
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# spellings whose sum is not cast back to the base output's dtype: served where it is that dtype
+SUM_NOT_CAST = frozenset({"peft_4bit_autocast"})
 
 
 class LoRAFamily(Family):
@@ -32,6 +34,12 @@ class LoRAFamily(Family):
             return "arguments on more than one device"
         if A.dim() != 2 or B.dim() != 2:
             return "adapter weights that are not matrices"
+        wide = torch.promote_types(res.dtype, A.dtype)
+        if spelling.name in SUM_NOT_CAST and wide != res.dtype:
+            return (
+                f"the sum is {wide}, wider than the base output's {res.dtype} (a layer's first of several "
+                "active adapters): the kernels return the base output's dtype"
+            )
         if A.shape[0] > kernel.MAX_RANK:
             return f"rank {A.shape[0]}; the kernels serve ranks up to {kernel.MAX_RANK}"
         return None

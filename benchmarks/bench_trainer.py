@@ -35,12 +35,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -71,20 +68,8 @@ def importable(module: str) -> bool:
         return False
 
 
-def provenance(device: torch.device) -> dict:
-    """Date, host, device, the versions of what is measured, git commit (+: tracked files changed)."""
-    from importlib.metadata import distributions
-
-    have = {(d.metadata["Name"] or "").lower().replace("_", "-"): d.version for d in distributions()}
-    dists = ("torch", "triton", "transformers", "accelerate", "trl", "liger-kernel", "kernelgraft")
-    git = lambda *c: subprocess.run(["git", *c], cwd=HERE, capture_output=True, text=True, timeout=30).stdout.strip()
-    try:
-        commit = git("rev-parse", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except Exception:  # noqa: BLE001 - no git here: said as unknown
-        commit = ""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), gpu=gpu,
-                versions={d: have.get(d) for d in dists}, commit=commit or None)  # fmt: skip
+# what the results file says of the run: the versions of what is measured
+DISTS = ("torch", "triton", "transformers", "accelerate", "trl", "liger-kernel", "kernelgraft")
 
 
 def build_model(spec, layers=None, tie=None, seq=None):
@@ -470,7 +455,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "trainer.json")
     doc = {} if a.fresh or not os.path.exists(path) else json.load(open(path))
-    doc.update(run := provenance(spec.device))
+    doc.update(run := bl.provenance(spec.device, DISTS))
     args = {k: getattr(spec, k) for k in ("B", "S", "backend", "rounds", "per_turn", "warmup", "profile", "checkpointing")}
     args.update(shape="tiny Llama" if cpu else f"Llama-3.2-1B shape ({spec.layers} layers)", weights=str(spec.dtype)[6:])
 

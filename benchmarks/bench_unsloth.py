@@ -28,7 +28,6 @@ QLoRA row)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -39,8 +38,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from benchlib import names  # noqa: E402
+from benchlib import names, provenance, versions_text  # noqa: E402
 from suite_args import SHAPES  # noqa: E402
+
+# what the results file says of the run: the versions of what is measured
+DISTS = ("torch", "transformers", "peft", "unsloth", "unsloth_zoo", "bitsandbytes", "liger-kernel", "kernelgraft")
 
 LORA_R, LORA_ALPHA = 16, 32  # the suite's LoRA: r 16, alpha 32 on every linear of the decoder layers
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -299,7 +301,7 @@ def run_in_process(row: str, mode: str, steps: int, models: str, timeout: float 
 
 def markdown(doc: dict) -> str:
     L = [
-        f"Training steps with Unsloth ({doc.get('gpu', '?')}, {doc.get('date', '?')}; {doc.get('versions', '')})",
+        f"Training steps with Unsloth ({doc.get('gpu', '?')}, {doc.get('date', '?')}; {versions_text(doc.get('versions'))})",
         "",
     ]
     L.append("Each mode ran in a process of its own (Unsloth patches transformers' classes at import).")
@@ -377,15 +379,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_unsloth.py: needs a CUDA GPU (the numbers are GPU timings)", file=sys.stderr)
         return 2
-    import transformers
-
     os.makedirs(a.out, exist_ok=True)
-    doc = dict(
-        date=datetime.date.today().isoformat(),
-        gpu=torch.cuda.get_device_name(),
-        versions=f"torch {torch.__version__}, transformers {transformers.__version__}, {peer_versions()}",
-        rows={},
-    )
+    doc = dict(provenance(torch.device("cuda"), DISTS), rows={})
     for row in a.row_list:
         for mode in [m for m in (names(a.modes) or ROWS[row]["modes"]) if m in ROWS[row]["modes"]]:
             got = run_in_process(row, mode, a.steps, a.models)
@@ -395,18 +390,6 @@ def main(argv=None) -> int:
             open(os.path.join(a.out, "unsloth.md"), "w").write(markdown(doc))
     print(markdown(doc))
     return 0
-
-
-def peer_versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = []
-    for p in ("unsloth", "unsloth_zoo", "bitsandbytes", "liger-kernel", "peft"):
-        try:
-            out.append(f"{p} {version(p)}")
-        except PackageNotFoundError:
-            out.append(f"{p} not installed")
-    return ", ".join(out)
 
 
 if __name__ == "__main__":

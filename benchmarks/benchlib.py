@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import re
+import socket
+import subprocess
 
 import torch
 
@@ -323,3 +327,27 @@ def paired_ratios(times: dict, ref: str) -> dict:
         r = sorted(t / u for t, u in zip(ts, times[ref]))
         out[m] = dict(ref=ref, median=r[len(r) // 2], low=r[0], high=r[-1])
     return out
+
+
+def provenance(device: torch.device, dists: tuple) -> dict:
+    """Date, host, device, the versions of `dists` (None: not installed), git commit (+: tracked
+    files changed): what a results file says of the run that made it."""
+    from importlib.metadata import distributions
+
+    have = {(d.metadata["Name"] or "").lower().replace("_", "-"): d.version for d in distributions()}
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *c: subprocess.run(["git", *c], cwd=here, capture_output=True, text=True, timeout=30).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except Exception:  # noqa: BLE001 - no git here: said as unknown
+        commit = ""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), gpu=gpu,
+                versions={d: have.get(d.lower().replace("_", "-")) for d in dists}, commit=commit or None)  # fmt: skip
+
+
+def versions_text(versions) -> str:
+    """provenance()'s versions as a line of text ("torch 2.11.0, unsloth not installed")."""
+    if isinstance(versions, str):
+        return versions
+    return ", ".join(f"{d} {v or 'not installed'}" for d, v in (versions or {}).items())

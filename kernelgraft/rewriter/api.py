@@ -253,17 +253,16 @@ def _call(compiled, model, *args, **kwargs):
 
 def _run(compiled, model, *args, **kwargs):
     grafter = compiled.grafter
-    decodes = _decodes(kwargs)
-    decoding, caller, before = DECODING.set(decodes), runs.CALLER.set(grafter), runs.runs(grafter)
+    decoding, caller, before = DECODING.set(_decodes(kwargs)), runs.CALLER.set(grafter), runs.runs(grafter)
     try:
         # floats as numbers, hooks guarded, logging calls no graph break, room for every live model
         with capture_settings(models=_pow2(len(runs.LIVE))):
             out = compiled(model, *args, **kwargs)
+        kind = grafter.capture_kind()  # this call's kind of graph, as its captures are reported
     finally:
         DECODING.reset(decoding)
         runs.CALLER.reset(caller)
     runs.check(grafter, model, before, args, kwargs)
-    kind = "training" if torch.is_grad_enabled() else ("decoding" if decodes else "evaluation")
     runs.times(grafter, before, kind)
     rep = model.kernelgraft_report
     if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)

@@ -253,6 +253,7 @@ def _call(compiled, model, *args, **kwargs):
 
 def _run(compiled, model, *args, **kwargs):
     grafter = compiled.grafter
+    kwargs = _no_cache_in_training(model, kwargs)
     decoding, caller, before = DECODING.set(_decodes(kwargs)), runs.CALLER.set(grafter), runs.runs(grafter)
     try:
         # floats as numbers, hooks guarded, logging calls no graph break, room for every live model
@@ -276,6 +277,20 @@ def _run(compiled, model, *args, **kwargs):
 def _pow2(n: int) -> int:
     """The power of two at or above n (the recompile limits' factor changes only as models double)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def _no_cache_in_training(model, kwargs: dict) -> dict:
+    """A training forward of a Hugging Face model that asks nothing of the KV cache gets
+    `use_cache=False`, as under gradient checkpointing: the cache a training step would fill is never
+    read, and its update makes each layer's code depend on the layer's index, so a model whose layers
+    are separate graphs (FSDP2, a graph break per layer) would recompile per layer until dynamo's
+    limit, then run the rest uncompiled. An explicit `use_cache` or a cache passed in is kept."""
+    if "use_cache" in kwargs or _decodes(kwargs) or not (model.training and torch.is_grad_enabled()):
+        return kwargs
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False) or not hasattr(config, "to_dict"):  # not a transformers config
+        return kwargs
+    return {**kwargs, "use_cache": False}
 
 
 def _decodes(kwargs) -> bool:

@@ -38,7 +38,8 @@ def test_optimized_model_under_data_parallel_gives_the_stock_gradients(how):
         # were grafted alone); FSDP2: one graph per layer, which dynamo captures once for both layers
         # (the report counts it once), 9 sites
         assert int(n) == 22 and int(served) == {"ddp": 16, "fsdp2": 9}[how], r.stdout
-        assert int(sdpa) == {"ddp": 2, "fsdp2": 1}[how], r.stdout
+        # counts() is per step: FSDP2's one layer graph runs once per layer, its SDPA twice
+        assert int(sdpa) == 2, r.stdout
         if how == "ddp":  # the mask is made and used in the one graph: proven there
             assert int(graphs) == 1 and int(causal) == 0, r.stdout
         else:  # the mask reaches each layer's graph as an input: checked at run time, causal

@@ -1,0 +1,56 @@
+"""A training forward builds no KV cache unless asked: its layers compile once each, also where each
+layer is a graph of its own (as under FSDP2), and what the caller asks of the cache is kept."""
+
+from __future__ import annotations
+
+import torch
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+
+
+def per_layer_graphs(model):
+    """A graph break before every decoder layer, as FSDP2's pre-forward hooks make: each layer's
+    forward is then a frame dynamo captures by itself."""
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda *a: torch._dynamo.graph_break())
+    return model
+
+
+def layer_compiles(rep) -> dict[int, set[int]]:
+    """{frame: the compiles of that frame} among the frames holding a `gated_mlp` site."""
+    out: dict[int, set[int]] = {}
+    for r in rep.sites:
+        if r.pattern == "gated_mlp":
+            out.setdefault(r.graph[0], set()).add(r.graph[1])
+    return out
+
+
+def test_layers_as_separate_graphs_compile_once_and_train_by_the_rule():
+    torch.manual_seed(0)
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(per_layer_graphs(tiny_model("llama")), backend="eager")
+    mine.load_state_dict(stock.state_dict())
+    b = batch()
+    out = mine(**b)
+    assert out.past_key_values is None  # the training step filled no cache
+    compiles = layer_compiles(mine.kernelgraft_report)
+    # one frame for both layers, compiled once: the layer index is no guard without the cache
+    assert len(compiles) == 1 and list(compiles.values()) == [{0}], compiles
+    # the one graph runs once per layer: its kernels launch twice a step
+    assert mine.kernelgraft_report.counts()["gated_mlp"] == 2
+    out.loss.backward()
+    verdicts = compare_models(mine, stock, b, compiled=False)
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad and len(verdicts) == 1 + len(list(stock.parameters())), "\n".join(bad)
+
+
+def test_what_the_caller_asks_of_the_cache_is_kept():
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    b = batch()
+    assert mine(**b).past_key_values is None
+    assert mine(**b, use_cache=True).past_key_values is not None  # asked for: kept
+    with torch.no_grad():  # evaluation and decoding fill it as the model's config says
+        assert mine(input_ids=b["input_ids"]).past_key_values is not None
+    mine.eval()
+    assert mine(input_ids=b["input_ids"]).past_key_values is not None

@@ -3,8 +3,10 @@ here, carried there, installed there into a folder of their own put on PYTHONPAT
 
     python benchmarks/peers.py download --out .peers     (with a network)
         the pinned peers and every dependency of theirs that the GPU image lacks, one version of each,
-        as Linux x86_64 CPython 3.12 wheels; then split into .peers/1, .peers/2, ... of at most
-        --part-mib each (a GPU call carries 64 MiB): each part is carried by its own call
+        as Linux x86_64 CPython 3.12 wheels; each slimmed (SLIM: the files the GPU host never loads
+        left out, every member recompressed with LZMA, which pip reads); then split into .peers/1,
+        .peers/2, ... of at most --part-mib each (a GPU call carries 64 MiB): each part is carried by a
+        call of its own, or all in one call where they fit
     python benchmarks/peers.py install --wheels .peers --target .peers_site     (there, no network)
         every wheel under --wheels into --target (pip --no-index --no-deps); then each installed
         package's version, the requirements neither --target nor the running Python satisfy, and
@@ -39,6 +41,31 @@ PLATFORMS = tuple(f"manylinux_2_{v}_x86_64" for v in range(28, 16, -1)) + (
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 )
+# the files of a wheel the GPU host never loads: (package, member glob, why). What imports the peers
+# need stays; what is left out would only be loaded by a feature the benchmarks never use.
+SLIM = (
+    ("bitsandbytes", "bitsandbytes/libbitsandbytes_cuda1[0-2]*", "CUDA 10-12 builds: the image's torch is CUDA 13.0"),
+    ("bitsandbytes", "bitsandbytes/libbitsandbytes_cuda132*", "CUDA 13.2 build: the image's torch is CUDA 13.0"),
+    ("bitsandbytes", "bitsandbytes/libbitsandbytes_rocm*", "AMD builds"),
+    ("bitsandbytes", "bitsandbytes/libbitsandbytes_xpu*", "Intel builds"),
+    ("unsloth", "studio/*", "Unsloth Studio, a web interface"),
+    ("pyarrow", "pyarrow/include/*", "C++ headers"),
+    ("pyarrow", "pyarrow/src/*", "C++ sources"),
+    ("pyarrow", "pyarrow/tests/*", "pyarrow's tests"),
+    ("pyarrow", "pyarrow/*flight*", "Arrow Flight RPC"),
+    ("pyarrow", "pyarrow/*substrait*", "Substrait query plans"),
+    ("pyarrow", "pyarrow/*_s3*", "S3 file system (pyarrow.fs imports it only if present)"),
+    ("pyarrow", "pyarrow/_gcsfs*", "Google Cloud file system (likewise)"),
+    ("pyarrow", "pyarrow/_azurefs*", "Azure file system (likewise)"),
+    ("pyarrow", "pyarrow/_hdfs*", "HDFS file system (likewise)"),
+    ("pandas", "pandas/tests/*", "pandas' tests"),
+)
+# packages a peer's metadata asks for that only features the benchmarks never use import (each found by
+# reading the peers' imports): never downloaded, so that every wheel fits one GPU call's 64 MiB
+UNUSED = {
+    canonicalize_name("diffusers"): "Unsloth's diffusion-model trainer",
+    canonicalize_name("hf-transfer"): "faster Hub downloads (Unsloth looks for it without importing it)",
+}
 # the GPU image's packages (torch 2.11 with its CUDA libraries, triton, transformers, peft, numpy, sympy,
 # hypothesis, pytest) and their own dependencies: never downloaded, whatever version a peer names
 IMAGE = frozenset(
@@ -129,7 +156,7 @@ def needed(folder: Path, roots=ROOTS, pins=None) -> dict[str, SpecifierSet]:
     while todo:
         req = todo.pop()
         name = canonicalize_name(req.name)
-        if in_image(name):
+        if in_image(name) or name in UNUSED:
             continue
         first = name not in specs
         specs[name] = specs.get(name, pinned.get(name, SpecifierSet())) & req.specifier
@@ -189,6 +216,35 @@ def download(folder: Path, roots=ROOTS, fetch=pip_download, rounds: int = 20) ->
             f"more than one version of {twice} under {folder}: delete the folder and download again"
         )
     return specs
+
+
+def slim(path: Path, drops=SLIM) -> tuple[int, int]:
+    """Rewrite the wheel at path without the members `drops` names for its package, every member
+    recompressed with LZMA (pip installs through Python's zipfile, which reads it) and its RECORD
+    without the dropped files' lines. (bytes before, bytes after); a wheel already slimmed is kept."""
+    import fnmatch
+
+    name = wheel_id(path)[0]
+    globs = [g for pkg, g, _ in drops if canonicalize_name(pkg) == name]
+    before = path.stat().st_size
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        if all(i.compress_type == zipfile.ZIP_LZMA for i in infos if i.file_size):
+            return before, before
+        kept = [i for i in infos if not any(fnmatch.fnmatch(i.filename, g) for g in globs)]
+        gone = {i.filename for i in infos} - {i.filename for i in kept}
+        tmp = path.with_suffix(".slim")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_LZMA) as out:
+            for i in kept:
+                data = z.read(i)
+                if i.filename.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines(keepends=True)
+                    data = "".join(ln for ln in lines if ln.split(",", 1)[0] not in gone).encode()
+                info = zipfile.ZipInfo(i.filename, i.date_time)
+                info.external_attr, info.compress_type = i.external_attr, zipfile.ZIP_LZMA
+                out.writestr(info, data)
+    tmp.replace(path)
+    return before, path.stat().st_size
 
 
 def image_requirements(folder: Path) -> list[str]:
@@ -299,6 +355,10 @@ def main(argv=None) -> int:
     try:
         if a.cmd == "download":
             specs = download(a.out)
+            for w in wheels(a.out):
+                before, after = slim(w)
+                if after < before:
+                    print(f"slimmed {w.name}: {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
             parts = split(a.out, a.part_mib)
             for n, ws in enumerate(parts, 1):
                 mib = sum(w.stat().st_size for w in ws) / 2**20

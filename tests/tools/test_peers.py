@@ -176,3 +176,31 @@ def test_the_pins_and_roots_are_the_peers_versions():
     assert "manylinux_2_24_x86_64" in peers.PLATFORMS  # bitsandbytes' wheel tag
     assert peers.in_image("Typing_Extensions") and peers.in_image("nvidia-nccl-cu12")
     assert not peers.in_image("trl") and not peers.in_image("datasets")
+
+
+def test_slim_leaves_out_the_named_files_and_pip_installs_the_rest(tmp_path):
+    w = make_wheel(tmp_path / "w", "kgslimpkg", "1.0", pad=200_000)
+    drops = (("kgslimpkg", "kgslimpkg/pad.bin", "never loaded"),)
+    before, after = peers.slim(w, drops)
+    assert after < before / 10  # the incompressible padding was the bulk of it
+    with zipfile.ZipFile(w) as z:
+        names = z.namelist()
+        record = z.read("kgslimpkg-1.0.dist-info/RECORD").decode()
+        assert {i.compress_type for i in z.infolist() if i.file_size} == {zipfile.ZIP_LZMA}
+    assert "kgslimpkg/pad.bin" not in names and "kgslimpkg/__init__.py" in names
+    assert "pad.bin" not in record and "kgslimpkg/__init__.py," in record
+    assert peers.slim(w, drops) == (after, after)  # slimmed once: kept as it is
+    target = tmp_path / "site"
+    assert peers.install(tmp_path / "w", target) == {"kgslimpkg": "1.0"}
+    got = subprocess.run(
+        [sys.executable, "-c", "import kgslimpkg; print(kgslimpkg.__version__)"],
+        env={**os.environ, "PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+    )
+    assert got.stdout.split() == ["1.0"], got.stderr
+
+
+def test_what_no_benchmark_imports_is_never_fetched(tmp_path):
+    make_wheel(tmp_path, "top", "1.0", ["diffusers>=0.3", "hf-transfer", "kept>=1"])
+    assert set(peers.needed(tmp_path, roots=("top==1.0",))) == {"top", "kept"}

@@ -112,6 +112,27 @@ class Options:
     `"min"` sums in the weight's dtype over chunks of 512 tokens. `None`: the chunking of
     `lm_head_chunk`. Use it to trade time for memory."""
 
+    memory: float | str | None = None
+    """A budget in GiB for a training step's memory on the device, or `"auto"` (the device's free
+    memory when the model is optimized). kernelgraft picks the levers below from it, at the first
+    training step, from the step's shape: the LM head's chunks (`lm_head_memory`), token tiles
+    (`tile_tokens`) and offloaded activations (`offload`); `report.memory` says what it chose and
+    why. A lever given its own value keeps it. `None`: none is picked (each lever's own default)."""
+
+    offload: bool | None = None
+    """Training: each decoder layer keeps only its input for the backward, in pinned host memory
+    (copied on a stream of its own while the next layers run; the backward fetches each one a layer
+    ahead), and runs again in the backward to make its gradients: activation checkpointing with the
+    checkpoints off the device. It replaces Hugging Face's gradient checkpointing where that is on.
+    `None`: on where `memory` needs it."""
+
+    tile_tokens: int | None = None
+    """Training graphs: the token-wise regions (norms, projections, gated MLPs, residual adds) whose
+    intermediates would exceed their share of memory run over tiles of this many tokens of the
+    sequence, each tile made again in the backward: their intermediates are one tile's. Token-wise
+    ops round as untiled; only the weights' gradients are summed over the tiles, in float32. `None`:
+    untiled, unless `memory` picks a tile."""
+
     causal_attention: bool = True
     """Run an attention call whose mask the captured graph proves to be the causal mask with
     `is_causal=True` instead of the mask (a mask that reaches a graph as an input is checked at
@@ -203,6 +224,16 @@ class Options:
         chunk = self.lm_head_chunk
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"kernelgraft: lm_head_chunk must be a positive number of tokens, got {chunk!r}")
+        budget = self.memory
+        if budget is not None and budget != "auto" and not _size(budget, 2**30):
+            raise ValueError(
+                f"kernelgraft: memory must be a positive, finite budget in GiB, \"auto\" or None, got {budget!r}"
+            )
+        if self.offload is not None and not isinstance(self.offload, bool):
+            raise ValueError(f"kernelgraft: offload must be True, False or None, got {self.offload!r}")
+        tile = self.tile_tokens
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"kernelgraft: tile_tokens must be a positive number of tokens or None, got {tile!r}")
         mem = self.lm_head_memory
         if mem is not None and mem != "min" and not _size(mem, 2**30):
             raise ValueError(

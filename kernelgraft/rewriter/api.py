@@ -16,8 +16,10 @@ from .._dynamo import capture_settings, fresh_entry
 from ..kernels import explain_withheld
 from ..kernels.fallback import warn_once
 from ..options import Options, with_options_help
+from . import memory as _memory
 from . import runs
 from .backend import DECODING, Grafter
+from .offload import OffloadedLayers
 from .report import RewriteReport, graph_break_reasons
 
 
@@ -97,6 +99,8 @@ def optimize(
     runs.LIVE.add(grafter)
     runs.watch()
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")
+    if options.offload:
+        _offload(compiled, model)
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
     settings = dict(dataclasses.asdict(options), patterns=patterns, dynamic=dynamic)  # optimize()'s arguments
@@ -146,6 +150,8 @@ class _Compiled:
 
     def __init__(self, grafter: Grafter, dynamic: bool | None, tag: str):
         self.grafter, self.dynamic, self.tag = grafter, dynamic, tag
+        self.layers = None  # offload.OffloadedLayers, where layers are offloaded
+        self.memory_chosen = False  # Options.memory's levers chosen (at the first training call)
         self.dicts: tuple = ()
         self.sizes: tuple | None = None  # the dicts' sizes when last compared; None: all empty
         self.hooks: tuple | None = None  # the hook ids of each dict, when last compared
@@ -205,11 +211,17 @@ _ADDED = ("__deepcopy__", "__reduce_ex__", "compile", "_compiled_call_impl", "ke
 @contextlib.contextmanager
 def _without_added(model):
     """Inside the block `model` looks as it did before optimize (for the copy machinery)."""
+    call = model.__dict__.get("_compiled_call_impl")
+    layers = getattr(getattr(call, "args", (None,))[0], "layers", None)
     saved = {k: model.__dict__.pop(k) for k in _ADDED if k in model.__dict__}
+    if layers is not None:  # offloaded layers' calls: the copy offloads its own
+        layers.remove()
     try:
         yield
     finally:
         model.__dict__.update(saved)
+        if layers is not None:
+            layers.install()
 
 
 def _deepcopy(model, settings, memo):
@@ -257,9 +269,63 @@ def _call(compiled, model, *args, **kwargs):
     return _run(compiled, model, *args, **kwargs)
 
 
+def _offload(compiled, model) -> None:
+    """Offloaded layers for `model`, each compiled by the model's own backend (Options.offload)."""
+    layers = OffloadedLayers(
+        model, lambda forward: torch.compile(forward, backend=compiled.grafter, dynamic=compiled.dynamic)
+    )
+    layers.install()
+    compiled.layers = layers
+    compiled.grafter.report.offloaded = dict(path=layers.path, layers=len(layers.layers), offloader=layers.offloader)
+
+
+def _choose_memory(compiled, model, args, kwargs) -> None:
+    """Options.memory's levers, from the first training call's tokens (memory.choose)."""
+    grafter = compiled.grafter
+    found = _memory.call_shape(args, kwargs)
+    choice = _memory.choose(model, grafter.options, *found) if found else None
+    compiled.memory_chosen = True
+    if choice is None:
+        model.kernelgraft_report.notes.append(
+            "memory: no decoder shape (hidden size, layers) in the model's config, or no input ids in "
+            "its call: no lever chosen"
+        )
+        return
+    model.kernelgraft_report.memory = choice
+    grafter.options = grafter.options.replace(tile_tokens=choice.tile_tokens, lm_head_memory=choice.lm_head_memory)
+    if choice.offload and compiled.layers is None:
+        _offload(compiled, model)
+
+
+@contextlib.contextmanager
+def _own_checkpointing(layers):
+    """Offloaded layers checkpoint themselves: Hugging Face's gradient checkpointing (which Trainer
+    turns on) is off for the call, so that each layer runs once in the forward and once again in the
+    backward, not twice."""
+    flags = [(m, m.gradient_checkpointing) for m in layers.layers if getattr(m, "gradient_checkpointing", False)]
+    for m, _ in flags:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m, on in flags:
+            m.gradient_checkpointing = on
+
+
 def _run(compiled, model, *args, **kwargs):
     grafter = compiled.grafter
     kwargs = _no_cache_in_training(model, kwargs)
+    training = model.training and torch.is_grad_enabled()
+    if training and grafter.options.memory is not None and not compiled.memory_chosen:
+        _choose_memory(compiled, model, args, kwargs)
+    if compiled.layers is not None:
+        with _own_checkpointing(compiled.layers):
+            return _run_compiled(compiled, model, *args, **kwargs)
+    return _run_compiled(compiled, model, *args, **kwargs)
+
+
+def _run_compiled(compiled, model, *args, **kwargs):
+    grafter = compiled.grafter
     decoding, caller, before = DECODING.set(_decodes(kwargs)), runs.CALLER.set(grafter), runs.runs(grafter)
     try:
         # floats as numbers, hooks guarded, logging calls no graph break, room for every live model

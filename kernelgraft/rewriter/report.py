@@ -192,6 +192,10 @@ class RewriteReport:
     per_call: dict = field(default_factory=dict, repr=False, compare=False)
     # calls that ran stock code or another model's graphs, by their tensors' shapes, with why (runs.py)
     stock_runs: list = field(default_factory=list, repr=False, compare=False)
+    # what Options.memory chose at the first training call (memory.MemoryChoice), and the offloaded
+    # layers' path and host bytes (offload.py)
+    memory: object = field(default=None, repr=False, compare=False)
+    offloaded: dict = field(default_factory=dict, repr=False, compare=False)
 
     def captures(self) -> list[str]:
         """The kinds of graph captured so far (CAPTURES' order), each with records or graphs."""
@@ -347,6 +351,14 @@ class RewriteReport:
     def _extras(self) -> list[str]:
         """What the report says of the whole model, not of one kind of graph."""
         out = list(self.notes)
+        if self.memory is not None:
+            out.append(str(self.memory))
+        if self.offloaded:
+            o = self.offloaded
+            out.append(
+                f"offloaded: the {o['layers']} layers of {o['path']} keep their inputs on the host "
+                f"(at most {o['offloader'].peak_bytes / 2**30:.2f} GiB so far) and run again in the backward"
+            )
         if self.stock_runs:
             out.append(f"calls that did not run what kernelgraft compiled ({len(self.stock_runs)}):")
             out += _items(self.stock_runs)

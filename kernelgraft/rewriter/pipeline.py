@@ -6,6 +6,7 @@
                    family (kept as stock code, reported) or replaced by one custom-op call
     near misses    failed attempts that got far, the best per module and pattern
     pair          sites of one spelling that can share a launch -> one call (q and k of a layer)
+    tile          token-wise regions of a training graph -> one op over tiles of the sequence
     projections   linear layers that read one input -> one matmul, where the host sets the pace
     finish         lint and recompile an edited graph
     regions        graphs under activation checkpointing, grafted the same way
@@ -26,6 +27,7 @@ from ..kernels import served_kinds
 from ..kernels.fallback import register_site, site_key
 from ..options import Options
 from . import projections as _projections
+from . import tiling
 from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
 from .replace import argument_nodes, insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
@@ -351,6 +353,12 @@ def pair(g: Graft) -> None:
         pair_launches(g.gm, pairs, g.options.rounding)
 
 
+def tile(g: Graft) -> None:
+    tile = g.options.tile_tokens
+    if tile is not None and g.training:
+        g.report.tiles += tiling.tile_graph(g.gm, tile, g.spellings, edit=not g.dry_run)
+
+
 def projections(g: Graft) -> None:
     o = g.options
     if o.fuse_projections and g.training and o.backend == "inductor":
@@ -358,7 +366,7 @@ def projections(g: Graft) -> None:
 
 
 def finish(g: Graft) -> None:
-    fused = any(r.served for r in g.report.projections)
+    fused = any(r.served for r in g.report.projections) or any(t.tiled for t in g.report.tiles)
     if (g.report.sites or fused) and (not g.dry_run or g.probe is not None):
         g.gm.graph.lint()
         g.gm.recompile()
@@ -380,6 +388,9 @@ PASSES = (
     near_misses,
     unserved,
     pair,
+    # after the sites are served and paired (a region holds their ops), before projections: a
+    # region's linears run tile by tile, where a stacked weight would be stacked again per tile
+    tile,
     projections,
     finish,
     regions,

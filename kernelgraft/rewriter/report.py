@@ -140,11 +140,36 @@ class Unserved:
         return f"{self.module} ({self.cls}, {what}): {self.reason}"
 
 
+@dataclass
+class TileRecord:
+    """A token-wise region of a training graph (rewriter/tiling.py): the ops it holds, its tokens
+    along the sequence, the bytes of its intermediates untiled and in one tile, and whether it runs
+    over tiles of `tile` tokens (with why not)."""
+
+    module: str  # the modules its ops are in: their common path
+    ops: list  # its ops, in graph order (views left out)
+    tokens: int  # positions of the sequence
+    tile: int  # positions per tile (Options.tile_tokens)
+    bytes_untiled: int  # its intermediates (values made inside it and not its outputs)
+    bytes_tile: int  # the same for one tile
+    tiled: bool = False
+    reason: str = ""  # why it is not tiled
+    modules: list = field(default_factory=list)  # every module its ops are in, in graph order
+    graph: object = 0
+    capture: str = ""
+
+    def __str__(self) -> str:
+        what = f"{self.module} ({', '.join(dict.fromkeys(self.ops))}; {self.tokens} tokens)"
+        if not self.tiled:
+            return f"{what}: not tiled: {self.reason}"
+        return f"{what}: tiled by {self.tile}, intermediates {self.bytes_untiled} -> {self.bytes_tile} bytes"
+
+
 # the kinds of graph a model is captured as, each reported on its own: a training step (gradients
 # on), an evaluation forward (no gradients), generate()'s decoding (no gradients, a KV cache passed in)
 CAPTURES = ("training", "evaluation", "decoding")
 
-_RECORDS = ("sites", "fallbacks", "near_misses", "unserved", "masks_kept", "projections")
+_RECORDS = ("sites", "fallbacks", "near_misses", "unserved", "masks_kept", "projections", "tiles")
 
 
 @dataclass
@@ -167,6 +192,9 @@ class RewriteReport:
     # groups of linear layers that read one input, each fused into one matmul or not, with why
     # (rewriter/projections.py)
     projections: list[SiteRecord] = field(default_factory=list)
+    # token-wise regions of training graphs, each run over tiles of the sequence or not, with why
+    # (rewriter/tiling.py; Options.tile_tokens)
+    tiles: list[TileRecord] = field(default_factory=list)
     graphs: int = 0  # captures seen, recompiles included
     # captures seen by kind of graph (CAPTURES), recompiles included
     graphs_by: Counter = field(default_factory=Counter, repr=False, compare=False)
@@ -343,6 +371,12 @@ class RewriteReport:
                 "fused into one matmul each"
             )
             out += _items(f"{r.module} ({', '.join(r.shapes)}): {r.reason}" for r in self.projections if not r.served)
+        if self.tiles:
+            done = [t for t in self.tiles if t.tiled]
+            out.append(
+                f"token-wise regions: {len(done)} of {len(self.tiles)} run over tiles of the sequence "
+                "(report.tiles: each region, and why the others are not)"
+            )
         if self.masks_kept:
             out.append(f"attention masks kept as written ({len(self.masks_kept)}):")
             out += _items(f"{r.module}: {r.reason}" for r in self.masks_kept)

@@ -94,6 +94,8 @@ KERNELGRAFT = {"kernelgraft": {}, "kernelgraft (memory=auto)": dict(memory="auto
 MODES = ("eager", "eager (checkpointing)", "torch.compile", "liger", "unsloth", *KERNELGRAFT)
 SMOKE_MODES = ("eager", "kernelgraft", "kernelgraft (memory=auto)")
 COMPILED = ("torch.compile", *KERNELGRAFT)
+# modes whose levers kernelgraft picks at the model's first training call, from its shape: a model per length
+FRESH = ("kernelgraft (memory=auto)",)
 GRADS_SHAPE = "llama-1b 8x2048"  # --check-grads' model: this shape with LoRA
 LORA_B_STD = 0.02  # peft starts lora_B at zero, which would leave lora_A without gradients
 # --smoke's defaults, where the option is not given
@@ -312,21 +314,49 @@ def build(row: str, mode: str, a):
 
 
 class Steps:
-    """Training steps of one model at batch 1: run(ids) is forward, backward, AdamW's step and
-    zero_grad. In --smoke a step whose tensors saved for the backward (the parameters aside) pass
-    --smoke-limit-mib raises torch.OutOfMemoryError: the CPU's stand-in for the GPU's memory."""
+    """Training steps at batch 1 of the model make() builds: run(ids) is forward, backward, AdamW's step
+    and zero_grad. AdamW's state is made before the first step (a step of zero gradients), so that every
+    step finds it, as a training step does. With `fresh` every length gets a model built anew (its
+    first training call at that length: the levers memory="auto" picks there are that length's), else
+    one model serves every length. In --smoke a step whose tensors saved for the backward (the
+    parameters aside) pass --smoke-limit-mib raises torch.OutOfMemoryError: the CPU's stand-in for the
+    GPU's memory."""
 
-    def __init__(self, model, a, mode: str):
+    def __init__(self, make, a, mode: str):
+        self.make, self.smoke, self.cuda = make, a.smoke, not a.smoke
+        self.fresh = mode in FRESH
+        # one graph for every length; a model built per length sees one length, and compiles it as such
+        self.mark = mode in COMPILED and a.shapes == "dynamic" and not self.fresh
+        self.limit = a.smoke_limit_mib * 2**20
+        self.model = self.opt = None
+        self.saved = self.saved_peak = 0
+        self.plans: dict = {}  # length -> what memory="auto" chose there (kernelgraft's report.memory)
+        self.ready()
+
+    def ready(self) -> None:
+        """A model and its optimizer to step: the one there is, or one built anew where `fresh`."""
         import torch
 
-        self.model, self.smoke, self.cuda = model, a.smoke, not a.smoke
-        self.mark = mode in COMPILED and a.shapes == "dynamic"
+        if self.model is not None and not self.fresh:
+            return
+        if self.model is not None:
+            self.model = self.opt = None
+            torch._dynamo.reset()  # the dropped model's graphs: the next model compiles its own
+            self.clean()
+        self.model = model = self.make()
         self.vocab = model.config.vocab_size
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(trainable, lr=1e-5, fused=self.cuda)
-        self.limit = a.smoke_limit_mib * 2**20
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.saved = self.saved_peak = 0
+
+    def note_plan(self, n: int) -> None:
+        plan = getattr(getattr(self.model, "kernelgraft_report", None), "memory", None)
+        if self.fresh and plan is not None:
+            self.plans[str(n)] = str(plan)[:1000]
 
     def ids(self, n: int):
         import torch
@@ -372,8 +402,9 @@ class Steps:
         """Free what a step (or a step that ran out of memory) left: gradients, cached blocks, the peak."""
         import torch
 
-        self.opt.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        for m in (self.opt, self.model):
+            if m is not None:
+                m.zero_grad(set_to_none=True)
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
@@ -396,6 +427,7 @@ class Steps:
     def fits(self, n: int, failures: dict) -> bool:
         """One step at n tokens; False where it ran out of memory (its message kept in failures[n])."""
         why = None
+        self.ready()
         try:
             ids = self.ids(n)
             self.run(ids)
@@ -405,6 +437,7 @@ class Steps:
                 raise
             why = first_line(e)
         ids = None  # the except block is left: the traceback, and the activations its frames held, are gone
+        self.note_plan(n)
         self.clean()
         if why is not None:
             failures[str(n)] = why
@@ -415,6 +448,7 @@ class Steps:
         device ms of one more step (its CUDA kernels summed)."""
 
         out = {}
+        self.ready()
         try:
             ids = self.ids(n)
             self.run(ids)
@@ -443,6 +477,7 @@ class Steps:
                 raise
             out["error"] = f"out of memory at measurement: {first_line(e)}"
         ids = None
+        self.note_plan(n)
         self.clean()
         if not self.cuda:
             out.setdefault("device_ms", None)
@@ -473,28 +508,25 @@ def run_one(row: str, mode: str, a) -> None:
     t = time.perf_counter()
     # every length of --shapes static compiles anew, and must not hit the limit that falls back to eager
     with room_for_recompiles():
-        model = build(row, mode, a)
+        steps = Steps(lambda: build(row, mode, a), a, mode)
         out["build_s"] = round(time.perf_counter() - t, 1)
         if not a.smoke:
-            torch.cuda.empty_cache()
             props = torch.cuda.get_device_properties(0)
             out.update(device=props.name, device_memory_gib=props.total_memory / 2**30)
-            out["start_gib"] = torch.cuda.memory_allocated() / 2**30
-        steps = Steps(model, a, mode)
+            out["start_gib"] = torch.cuda.memory_allocated() / 2**30  # weights and optimizer state
         out["oom"] = {}
         probes = out["probes"] = []
         t = time.perf_counter()
         try:
             got = search(lambda n: steps.fits(n, out["oom"]), a.min, a.max, a.resolution, a.mode_seconds, probes, on_probe=save)  # fmt: skip
+            out.update(got, search_s=round(time.perf_counter() - t, 1))
         except Exception as e:  # noqa: BLE001 - the mode's error, one line; the lengths that fit are kept
             traceback.print_exc()
             fit = [n for n, ok, _ in probes if ok]
             out.update(search="error", error=first_line(e), longest=max(fit, default=None))
             out["search_s"] = round(time.perf_counter() - t, 1)
-            return save()
-        out.update(got, search_s=round(time.perf_counter() - t, 1))
         save()
-        longest = out["longest"]
+        longest = out["longest"] if out["search"] != "error" else None
         at = [] if longest is None else [longest] + [n for n in a.at_list if n < longest]
         out["measurements"] = {}
         for n in at:
@@ -504,13 +536,15 @@ def run_one(row: str, mode: str, a) -> None:
                 traceback.print_exc()
                 out["measurements"][str(n)] = dict(error=first_line(e))
             save()
-    rep = getattr(model, "kernelgraft_report", None)
+    rep = getattr(steps.model, "kernelgraft_report", None)
     if rep is not None:
         out["sites"] = rep.counts(graph="training")
         out["stock_runs"] = list(rep.stock_runs)
         out["fell_back"] = [f"{r.module}: {r.status()}" for r in rep.fell_back_at_run_time()][:10]
-        if getattr(rep, "memory", None) is not None:
-            out["memory_plan"] = str(rep.memory)[:2000]
+        if steps.plans:
+            out["memory_plans"] = steps.plans
+        elif getattr(rep, "memory", None) is not None:
+            out["memory_plan"] = str(rep.memory)[:1000]
     save()
 
 

@@ -5,7 +5,9 @@ Each table names the files it reads; a table reads the newest file (by the date 
 with) of each kind it asks for, so a new run saved as `<folder>/<date>-<kind>.json` replaces the
 figures it measured. A cell is text with `{alias|path|format}` fields: path is a `/`-separated
 walk into the JSON (a list step is an index or `key=value&key=value`), format one of FORMATS or
-a Python format spec. Cells that are text only were derived by hand from the file they cite.
+a Python format spec. Cells that are text only were derived by hand from the file they cite. A
+table marked `optional` is left out until a file it reads exists; its rows may be a function of the
+files' data, for a benchmark whose rows are the entries its run measured.
 """
 from __future__ import annotations
 
@@ -101,6 +103,19 @@ def provenance(path: Path, data: dict) -> str:
     return line
 
 
+def present(spec: dict) -> bool:
+    """Whether a table is rendered: always, unless its spec is `optional` and a file it reads is not
+    there yet (a benchmark not yet published)."""
+    if not spec.get("optional"):
+        return True
+    try:
+        for kind in spec["files"].values():
+            newest(kind)
+    except SystemExit:
+        return False
+    return True
+
+
 def table(spec: dict) -> str:
     files = {alias: (p := newest(kind), load(p)) for alias, kind in spec["files"].items()}
     head = spec["columns"]
@@ -108,7 +123,11 @@ def table(spec: dict) -> str:
     if spec.get("about"):
         lines += [spec["about"], ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in spec["rows"]:
+    # rows given as a function are made from the files' data (a row per entry a run measured)
+    rows = spec["rows"]
+    if callable(rows):
+        rows = rows({alias: data for alias, (_, data) in files.items()})
+    for row in rows:
         if len(row) != len(head):
             raise SystemExit(f"results_md: a row of {spec['title']!r} has {len(row)} cells for "
                              f"{len(head)} columns")
@@ -122,7 +141,7 @@ from results_tables import HOW, INTRO, TABLES  # noqa: E402
 
 
 def render() -> str:
-    parts = [INTRO] + [table(t) for t in TABLES] + [HOW]
+    parts = [INTRO] + [table(t) for t in TABLES if present(t)] + [HOW]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 

@@ -375,4 +375,64 @@ ERRORS = {
              ["SwiGLU: out / grad"] + [err("o", f"name={SWI}", 0, m, ops=True) for m in ("eager", "torch.compile", "liger", "kernelgraft")]],
 }
 
-TABLES = [HEADLINE, STEPS, LM_128K, LM_GEMMA, LM_PEERS, HOST_ROWS, DISTRIBUTED, SCALING, ERRORS]
+# the lengths measured beside each mode's longest (bench_context.py's --at)
+CONTEXT_AT = (8192, 32768, 131072)
+STATUS = {
+    "cut short": " (search cut short)",
+    "reached max": " (the longest probed)",
+    "error": " (then an error)",
+}
+
+
+def context_rows(data: dict) -> list[list[str]]:
+    """A row per (model, mode) of bench_context.py's file: the longest context, tok/s and peak there,
+    that length over the best peer's, and tok/s at 8k, 32k and 128k where they fit."""
+    rows = []
+    for row, modes in data["c"]["rows"].items():
+        for mode, r in modes.items():
+            p = f"c|rows/{row}/{mode}"
+            if r.get("longest") is None:
+                none = f"none fit from {data['c']['args']['min']:,} tokens"
+                why = r.get("skipped") or r.get("error") or none
+                rows.append([row, mode, why.replace("|", "/")[:120]] + ["-"] * (3 + len(CONTEXT_AT)))
+                continue
+            at = r.get("measurements", {})
+            top = f"{p}/measurements/{r['longest']}"
+            measured = "tokens_per_s_wall" in at.get(str(r["longest"]), {})
+            cells = [
+                f"{{{p}/longest|n}}" + STATUS.get(r.get("search"), ""),
+                f"{{{top}/tokens_per_s_wall|n}}" if measured else "-",
+                f"{{{top}/peak_gib|.1f}}" if measured else "-",
+                f"{{{p}/vs_best_peer|.2f}}x" if r.get("vs_best_peer") else "-",
+            ]
+            for n in CONTEXT_AT:
+                got = "tokens_per_s_wall" in at.get(str(n), {})
+                cells.append(f"{{{p}/measurements/{n}/tokens_per_s_wall|n}}" if got else "-")
+            rows.append([row, mode, *cells])
+    return rows
+
+
+CONTEXT = {
+    "title": "Longest context that trains on one GPU: batch 1, forward + backward + AdamW's step",
+    "about": "`benchmarks/bench_context.py`: each (model, mode) in a process of its own; lengths doubled from "
+    "its --min (4096 by default) until a step runs out of memory, then bisected to its --resolution (1024 by "
+    "default); tok/s by wall time, peak "
+    "`max_memory_allocated` (weights, optimizer state and step). Peers: every mode but kernelgraft's; "
+    "unsloth is Unsloth with its default offloaded gradient checkpointing.",
+    "optional": True,  # rendered once a run is published as benchmarks/results/context/<date>-context.json
+    "files": {"c": "context/context"},
+    "columns": [
+        "model",
+        "mode",
+        "longest context",
+        "tok/s at the longest",
+        "peak GiB there",
+        "longest over the best peer's",
+        "tok/s at 8k",
+        "tok/s at 32k",
+        "tok/s at 128k",
+    ],
+    "rows": context_rows,
+}
+
+TABLES = [HEADLINE, STEPS, LM_128K, LM_GEMMA, LM_PEERS, HOST_ROWS, DISTRIBUTED, SCALING, ERRORS, CONTEXT]

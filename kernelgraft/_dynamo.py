@@ -45,13 +45,16 @@ def _logging_functions(attributes: tuple) -> frozenset:
 
 # dynamo's set of logging functions it drops while tracing (renamed between torch releases)
 _LOGGING_KEY = next(
-    (k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(torch._dynamo.config, k)), None
+    (k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(torch._dynamo.config, k)),
+    None,
 )
 
 
 # dynamo's recompile limits, per code object (their names differ between torch releases)
 _LIMITS = tuple(
-    k for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit") if hasattr(torch._dynamo.config, k)
+    k
+    for k in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit")
+    if hasattr(torch._dynamo.config, k)
 )
 
 
@@ -76,7 +79,9 @@ def capture_settings(models: int = 1):
     cfg = torch._dynamo.config
     key = _LOGGING_KEY
     limits = tuple((k, getattr(cfg, k) * models) for k in _LIMITS) if models > 1 else ()
-    change, patch = _patcher(frozenset(getattr(cfg, key)) if key else frozenset(), logging_functions(), limits)
+    change, patch = _patcher(
+        frozenset(getattr(cfg, key)) if key else frozenset(), logging_functions(), limits
+    )
     if change is None:
         with cfg.patch(**patch):
             yield
@@ -118,8 +123,9 @@ def room_for_recompiles():
 _ENTRIES = itertools.count()
 
 
-def fresh_entry(tag: str):
-    """A new function calling `module._call_impl`, with a code object of its own.
+def fresh_entry(tag: str, call: str = "module._call_impl(*args, **kwargs)", names: dict | None = None):
+    """A new function `(module, *args, **kwargs)` returning `module._call_impl(*args, **kwargs)` (or
+    `call`, an expression of those and of the globals `names`), with a code object of its own.
 
     Dynamo keeps compiled graphs, and its recompile limit, per code object. `Module.compile` compiles
     `Module._call_impl`, one code object for every module in the process, so the ninth model compiled
@@ -127,8 +133,8 @@ def fresh_entry(tag: str):
     # a name of its own too: dynamo's automatic-dynamic state is keyed by (file, line, name), and a
     # shared key makes one model's shapes turn another model's first compile dynamic (a recompile)
     name = f"kernelgraft_entry_{next(_ENTRIES)}"
-    src = f"def {name}(module, /, *args, **kwargs):\n    return module._call_impl(*args, **kwargs)\n"
-    ns: dict = {}
+    src = f"def {name}(module, /, *args, **kwargs):\n    return {call}\n"
+    ns: dict = dict(names or {})
     # named after this file: torch < 2.13 routes functions without a source file through one shared
     # wrapper frame (external_utils.inner), which would share the cache again
     ns["__name__"] = f"kernelgraft entry {tag}"

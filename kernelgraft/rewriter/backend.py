@@ -24,6 +24,9 @@ from .report import RewriteReport
 # set around a model's call that decodes (a KV cache passed in, as generate() passes one): its
 # graphs without gradients are reported as decoding, not evaluation
 DECODING = contextvars.ContextVar("kernelgraft_decoding", default=False)
+# set while an offloaded layer runs its forward under no_grad (offload.py): that graph is a training
+# step's, grafted and reported as one, and the backward runs the same kernels again with gradients
+CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelgraft_checkpointed", default=False)
 
 
 def resolve_patterns(patterns) -> list:
@@ -95,7 +98,7 @@ class Grafter:
     def capture_kind(self) -> str:
         """The kind of graph being captured (report.CAPTURES): training with gradients on (or where
         `training` says so), else decoding inside a call that passed a KV cache, else evaluation."""
-        training = self.training if self.training is not None else torch.is_grad_enabled()
+        training = self.training if self.training is not None else torch.is_grad_enabled() or CHECKPOINTED.get()
         if training:
             return "training"
         return "decoding" if DECODING.get() else "evaluation"
@@ -107,7 +110,7 @@ class Grafter:
             self.options,
             dry_run=self.dry_run,
             probe=self.probe,
-            training=self.training,
+            training=True if self.training is None and CHECKPOINTED.get() else self.training,
             runtime_masks=runtime_masks,
             heads=self.heads,
         )

@@ -7,7 +7,7 @@ instance, by a call that the model's captured graph does not trace into (a graph
 layer, as FSDP2's per-layer hooks make): the layer itself is compiled by the model's own backend,
 one graph for every layer. In a training call the layer runs through `_Checkpoint`:
 
-    forward   the layer (its autograd graph dropped at once); its input copied to a pinned host buffer on a stream of its
+    forward   the layer under no_grad (its graph grafted as a training one); its input copied to a pinned host buffer on a stream of its
               own (the next layers run meanwhile); the other inputs (position embeddings, masks),
               which every layer shares, kept as they are
     backward  the input fetched back (the previous layer's fetch started now: one layer ahead), the
@@ -24,6 +24,9 @@ import functools
 
 import torch
 from torch.utils import _pytree as pytree
+
+from .._dynamo import fresh_entry
+from .backend import CHECKPOINTED
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
@@ -148,18 +151,15 @@ def _offloaded(t: torch.Tensor, first: bool) -> bool:
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, offloader, spec, n_args, *flat):
+    def forward(ctx, run, offloader, spec, n_args, anchor, *flat):
         ctx.run, ctx.offloader, ctx.spec, ctx.n_args = run, offloader, spec, n_args
-        # the layer's training graph, its autograd graph dropped at once: the graph the backward
-        # runs again (one compile, the same roundings), and the call's report counts its sites
-        inputs = [
-            x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in flat
-        ]
-        args, kwargs = pytree.tree_unflatten(inputs, spec)
-        with torch.enable_grad():
-            out = pytree.tree_map(
-                lambda o: o.detach() if isinstance(o, torch.Tensor) else o, run(*args, **kwargs)
-            )
+        args, kwargs = pytree.tree_unflatten(list(flat), spec)
+        mark = CHECKPOINTED.set(True)  # grafted as a training graph: the kernels the backward runs again
+        try:
+            with torch.no_grad():
+                out = run(*args, **kwargs)
+        finally:
+            CHECKPOINTED.reset(mark)
         saved = []
         for i, x in enumerate(flat):
             if isinstance(x, torch.Tensor) and _offloaded(x, first=i == 0 and n_args > 0):
@@ -199,7 +199,7 @@ class _Checkpoint(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads_in = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return (None, None, None, None, *grads_in)
+        return (None, None, None, None, None, *grads_in)
 
 
 class OffloadedLayers:
@@ -223,8 +223,15 @@ class OffloadedLayers:
         if self.installed:
             return
         if not self.calls:
+            # one entry of the model's own for its layers' forward (their class's, not the call put on
+            # each instance): one graph serves every layer, and no other model shares its cache
+            cls = type(self.layers[0])
+            call = "layer_forward(module, *args, **kwargs)"
+            entry = self.compile_layer(
+                fresh_entry(f"{cls.__name__} layers", call, {"layer_forward": cls.forward})
+            )
             for layer in self.layers:
-                run = self.compile_layer(type(layer).forward.__get__(layer))
+                run = functools.partial(entry, layer)
                 # the model's graph breaks here: the layer runs its own compiled graph, checkpointed
                 self.calls.append(torch._dynamo.disable(functools.partial(_call, layer, run, self.offloader)))
         for layer, call in zip(self.layers, self.calls):
@@ -254,5 +261,8 @@ def _call(layer, run, offloader, *args, **kwargs):
         shape["leaves"] = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
         return out
 
-    outs = iter(_Checkpoint.apply(traced, offloader, spec, len(args), *flat))
+    # the anchor needs a gradient, so the outputs do where the layer's input does not (a LoRA model's
+    # first layer reads frozen embeddings): its parameters' gradients come from the backward's run
+    anchor = torch.empty(0, requires_grad=True)
+    outs = iter(_Checkpoint.apply(traced, offloader, spec, len(args), anchor, *flat))
     return pytree.tree_unflatten([next(outs) if v is _TENSOR else v for v in shape["leaves"]], shape["spec"])

@@ -1,0 +1,179 @@
+"""Offloaded activations (Options.offload) and the memory budget's choice of levers (Options.memory):
+each decoder layer keeps only its input for the backward, on the host, and runs again in the
+backward; the loss and every gradient by the accuracy rule; what the budget chose, in the report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from checks import assert_ok
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+from kernelgraft.rewriter.offload import decoder_layers
+
+
+def names(model) -> list[str]:
+    return ["loss"] + [f"grad {n}" for n, p in model.named_parameters() if p.requires_grad]
+
+
+def layers_of(model):
+    return model._compiled_call_impl.args[0].layers
+
+
+class Box:
+    def __init__(self, t):
+        self.t = t
+
+
+def kept_shapes(model, b) -> list[tuple]:
+    """The shapes of the tensors a step of `model` keeps for its backward once its forward is done
+    (what autograd saved and still holds, not what a layer saved and dropped at once)."""
+    import gc
+    import weakref
+
+    boxes = []
+
+    def pack(t):
+        box = Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        loss = model(**b).loss
+    gc.collect()
+    shapes = [tuple(r().t.shape) for r in boxes if r() is not None]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return shapes
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_offloaded_layers_train_by_the_rule_and_serve_every_site(backend):
+    stock = tiny_model("llama")
+    plain = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend, offload=True)
+    b = batch()
+    assert_ok(compare_models(mine, stock, b, compiled=False), names(stock))
+    assert_ok(compare_models(plain, stock, b, compiled=False), names(stock))
+    # every site served as without offloading, counted per step: one layer graph run for each layer
+    assert mine.kernelgraft_report.counts() == plain.kernelgraft_report.counts()
+    rep = mine.kernelgraft_report
+    assert rep.offloaded["path"] == "model.layers" and rep.offloaded["layers"] == 2
+    assert "offloaded: the 2 layers of model.layers keep their inputs on the host" in str(rep)
+
+
+def test_a_layer_keeps_only_its_input_on_the_host():
+    stock = tiny_model("llama")
+    cfg = stock.config
+    b = batch(B=2, S=12)
+    wide = (2, 12, cfg.intermediate_size)
+    plain = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    assert wide in kept_shapes(plain, b)  # the MLP's intermediates are kept for the backward
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+    shapes = kept_shapes(mine, b)
+    assert wide not in shapes and (2, 12, cfg.hidden_size) in kept_shapes(plain, b)
+    off = layers_of(mine).offloader
+    # the two layers' inputs, [2, 12, hidden] float32 each, were on the host at once; all given back
+    assert off.peak_bytes == 2 * 2 * 12 * cfg.hidden_size * 4 and off.bytes == 0 and off.calls == []
+    # an evaluation call offloads nothing and keeps nothing
+    with torch.no_grad():
+        mine(**b)
+    assert off.calls == [] and off.bytes == 0
+
+
+def grads(model, b) -> dict:
+    model.zero_grad(set_to_none=True)
+    model(**b).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_bf16_and_lora_adapters_by_the_rule_and_as_without_offloading():
+    from peft import LoraConfig, get_peft_model
+
+    stock = tiny_model("llama", dtype=torch.bfloat16)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(0)
+    stock = get_peft_model(tiny_model("llama", dtype=torch.bfloat16), cfg)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+    batches = [batch(seed=s) for s in range(2)]
+    assert_ok(compare_models(mine, stock, batches, compiled=False), names(stock))
+    assert layers_of(mine).path.endswith("model.layers")
+    assert mine.kernelgraft_report.counts()["lora"] == 14
+    # the layers run the same kernels as without offloading: the same gradients, bit for bit
+    plain = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    got, want = grads(mine, batches[0]), grads(plain, batches[0])
+    assert got.keys() == want.keys() and len(got) == 28
+    assert all(torch.equal(got[n], want[n]) for n in got)
+
+
+def test_it_replaces_hugging_faces_checkpointing():
+    stock = tiny_model("llama")
+    mine = copy.deepcopy(stock)
+    mine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mine = kernelgraft.optimize(mine, backend="eager", offload=True)
+    ran = []
+    off = layers_of(mine).offloader
+    offload = off.offload
+    off.offload = lambda t: ran.append(tuple(t.shape)) or offload(t)
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    # one offloaded input per layer: the layers ran once each in the forward, not inside a checkpoint
+    assert ran == [(2, 12, stock.config.hidden_size)] * 2
+    assert all(layer.gradient_checkpointing for layer in mine.model.layers)  # as the user left it
+
+
+def test_copies_offload_their_own_layers():
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", offload=True)
+    twin = copy.deepcopy(mine)
+    assert layers_of(twin) is not layers_of(mine) and layers_of(twin).installed
+    b = batch()
+    for m in (mine, twin):
+        m(**b).loss.backward()
+    assert torch.equal(mine.model.layers[0].mlp.up_proj.weight.grad, twin.model.layers[0].mlp.up_proj.weight.grad)
+    assert layers_of(twin).offloader.peak_bytes > 0 and "forward" in twin.model.layers[0].__dict__
+
+
+def test_a_model_without_decoder_layers_is_told_what_to_do():
+    with pytest.raises(ValueError, match="offload=True needs decoder layers .* Linear"):
+        kernelgraft.optimize(torch.nn.Linear(4, 4), offload=True)
+    assert decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
+
+
+def test_a_budget_the_step_fits_in_pulls_no_lever():
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=1000.0)
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    choice = mine.kernelgraft_report.memory
+    assert (choice.offload, choice.tile_tokens, choice.lm_head_memory) == (False, None, None)
+    assert layers_of(mine) is None and choice.tokens == 24
+    assert "no lever" in str(mine.kernelgraft_report) and "The step fits" in str(choice)
+
+
+def test_a_small_budget_offloads_and_says_why():
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=0.001)
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    choice = mine.kernelgraft_report.memory
+    assert choice.offload and layers_of(mine).installed and choice.budget_gib == pytest.approx(0.001)
+    # a tile is at least 1024 positions: a 12-token sequence is not tiled, and the report says so
+    assert choice.tile_tokens is None and "Not tiled" in str(choice)
+    assert choice.lm_head_memory == "min"
+    # a lever given its own value keeps it
+    kept = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=0.001, offload=False)
+    kept(**batch()).loss.backward()
+    assert not kept.kernelgraft_report.memory.offload and layers_of(kept) is None
+    assert "offload=False as given" in str(kept.kernelgraft_report.memory)
+
+
+def test_memory_is_chosen_at_the_first_training_call_not_at_evaluation():
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", memory=0.001)
+    b = batch()
+    with torch.no_grad():
+        mine(**b)
+    assert mine.kernelgraft_report.memory is None
+    mine(**b).loss.backward()
+    assert mine.kernelgraft_report.memory.tokens == 24

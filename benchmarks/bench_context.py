@@ -20,16 +20,21 @@ records its error and the run goes on.
 
 A probe runs one step on 1 x L random token ids. A step that raises torch.OutOfMemoryError (or an
 error whose message says it ran out of memory: Triton's, cuBLAS's) does not fit; everything is then
-freed (gc, empty_cache) and the search goes on in the same process. The first probe makes the
-optimizer's state, which every later probe carries, as a training step does. A mode's search stops
-after --mode-seconds (a probe already running finishes): the longest length that fit so far is kept,
-marked "cut short". The child processes run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-(unless set), the allocator setting long-context runs use, for every mode alike.
+freed (gc, empty_cache) and the search goes on in the same process. AdamW's state is made before
+the first probe (a step of zero gradients), so that every step carries it, as a training step does.
+A mode's search stops after --mode-seconds (--fresh-seconds for memory="auto", below; a probe already
+running finishes): the longest length that fit so far is kept, marked "cut short". The child processes run with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (unless set), the allocator setting long-context runs
+use, for every mode alike.
 
 Compiled modes (torch.compile, kernelgraft) mark the sequence dimension dynamic
 (torch._dynamo.maybe_mark_dynamic): one graph serves every length, so a probe costs a step, not a
 compile. `--shapes static` compiles each length on its own instead (as a run at one length gets it;
-recompile limits lifted), at a compile per probe. At each measured length: one warm-up step, the median
+recompile limits lifted), at a compile per probe. memory="auto" picks kernelgraft's levers (offload,
+token tiles, the LM head's chunks) at the model's first training call, from its length: that mode
+builds and optimizes its model anew for every probe and every measured length (static shapes), so
+that each length runs with the levers a run at that length gets, at a build and a compile per probe
+(the JSON's memory_plans say what was picked at each). At each measured length: one warm-up step, the median
 of --steps timed steps by wall time (synchronized), torch.cuda.max_memory_allocated over them (the
 whole process: weights, optimizer state and step), and one more step under torch.profiler, its CUDA
 kernels summed (benchlib.cuda_kernels).
@@ -99,14 +104,8 @@ FRESH = ("kernelgraft (memory=auto)",)
 GRADS_SHAPE = "llama-1b 8x2048"  # --check-grads' model: this shape with LoRA
 LORA_B_STD = 0.02  # peft starts lora_B at zero, which would leave lora_A without gradients
 # --smoke's defaults, where the option is not given
-SMOKE = dict(
-    min=16, max=256, resolution=16, mode_seconds=60.0, steps=1, at="32,128", modes=",".join(SMOKE_MODES)
-)
-GPU = dict(min=4096, max=524288, resolution=1024, mode_seconds=300.0, steps=3, at="8192,32768,131072", modes=",".join(MODES))  # fmt: skip
-
-
-class Unavailable(Exception):
-    """A mode that cannot run here; its message is one line that says why and what to do."""
+SMOKE = dict(min=16, max=256, resolution=16, mode_seconds=60.0, fresh_seconds=60.0, steps=1, at="32,128", modes=",".join(SMOKE_MODES))  # fmt: skip
+GPU = dict(min=4096, max=524288, resolution=1024, mode_seconds=300.0, fresh_seconds=1800.0, steps=3, at="8192,32768,131072", modes=",".join(MODES))  # fmt: skip
 
 
 def first_line(e: BaseException) -> str:
@@ -279,7 +278,8 @@ def check_deterministic(model) -> None:
     from kernelgraft.tiny.configs import RANDOM_RATES
 
     cfg = getattr(model, "config", None)
-    bad = {k: v for k, v in vars(cfg or {}).items() if isinstance(v, float) and v > 0 and any(r in k for r in RANDOM_RATES)}  # fmt: skip
+    rates = vars(cfg) if cfg is not None else {}
+    bad = {k: v for k, v in rates.items() if isinstance(v, float) and v > 0 and any(r in k for r in RANDOM_RATES)}  # fmt: skip
     if bad:
         raise ValueError(f"the model's config has random rates {bad}: remove the saved folder under --models and run again")  # fmt: skip
 
@@ -331,6 +331,7 @@ class Steps:
         self.model = self.opt = None
         self.saved = self.saved_peak = 0
         self.plans: dict = {}  # length -> what memory="auto" chose there (kernelgraft's report.memory)
+        self.leftover_gib = 0.0
         self.ready()
 
     def ready(self) -> None:
@@ -343,6 +344,8 @@ class Steps:
             self.model = self.opt = None
             torch._dynamo.reset()  # the dropped model's graphs: the next model compiles its own
             self.clean()
+            if self.cuda:  # what the dropped model left on the device (0 unless something holds on to it)
+                self.leftover_gib = max(self.leftover_gib, torch.cuda.memory_allocated() / 2**30)
         self.model = model = self.make()
         self.vocab = model.config.vocab_size
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -518,7 +521,7 @@ def run_one(row: str, mode: str, a) -> None:
         probes = out["probes"] = []
         t = time.perf_counter()
         try:
-            got = search(lambda n: steps.fits(n, out["oom"]), a.min, a.max, a.resolution, a.mode_seconds, probes, on_probe=save)  # fmt: skip
+            got = search(lambda n: steps.fits(n, out["oom"]), a.min, a.max, a.resolution, budget(mode, a), probes, on_probe=save)  # fmt: skip
             out.update(got, search_s=round(time.perf_counter() - t, 1))
         except Exception as e:  # noqa: BLE001 - the mode's error, one line; the lengths that fit are kept
             traceback.print_exc()
@@ -543,6 +546,7 @@ def run_one(row: str, mode: str, a) -> None:
         out["fell_back"] = [f"{r.module}: {r.status()}" for r in rep.fell_back_at_run_time()][:10]
         if steps.plans:
             out["memory_plans"] = steps.plans
+            out["leftover_gib"] = steps.leftover_gib
         elif getattr(rep, "memory", None) is not None:
             out["memory_plan"] = str(rep.memory)[:1000]
     save()
@@ -566,7 +570,6 @@ def no_tf32():
 
 def loss_and_grads(model, ids, float64: bool = False):
     """The loss and the trainable parameters' gradients (on the host) of one forward and backward."""
-
     from kernelgraft.gradcheck import Float64Everywhere
 
     model.zero_grad(set_to_none=True)
@@ -672,17 +675,23 @@ def check_grads(n: int, a) -> dict:
 
 def child_args(a) -> list[str]:
     """The options a child process takes from this run."""
-    args = ["--min", str(a.min), "--max", str(a.max), "--resolution", str(a.resolution), "--mode-seconds", str(a.mode_seconds)]  # fmt: skip
+    args = ["--min", str(a.min), "--max", str(a.max), "--resolution", str(a.resolution), "--mode-seconds", str(a.mode_seconds), "--fresh-seconds", str(a.fresh_seconds)]  # fmt: skip
     args += ["--steps", str(a.steps), "--at", a.at, "--shapes", a.shapes, "--models", a.models]
     return args + (["--smoke", "--smoke-limit-mib", str(a.smoke_limit_mib)] if a.smoke else [])
 
 
-def run_in_process(what: list[str], a, log: str) -> dict:
-    """This file in a fresh process (`what`: --one ROW --mode MODE, or --one-grads N), its output in
-    `log` -> what it wrote to its JSON (kept if it died), with "error" where it failed."""
+def budget(mode: str, a) -> float:
+    """Seconds of search of a mode: --fresh-seconds for a mode that builds a model per length."""
+    return a.fresh_seconds if mode in FRESH else a.mode_seconds
+
+
+def run_in_process(what: list[str], a, log: str, seconds: float) -> dict:
+    """This file in a fresh process (`what`: --one ROW --mode MODE, or --one-grads N) given `seconds` of
+    search, its output in `log` -> what it wrote to its JSON (kept if it died), with "error" where it
+    failed."""
     import tempfile
 
-    timeout = a.timeout or a.mode_seconds + 3600
+    timeout = a.timeout or seconds + 3600
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "one.json")
         cmd = [sys.executable, os.path.abspath(__file__), *what, "--json", path, *child_args(a)]
@@ -704,6 +713,9 @@ def run_in_process(what: list[str], a, log: str) -> dict:
         last = lines[-1] if lines else "no output"
         said = rc if isinstance(rc, str) else f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
         got.setdefault("error", f"{said}: {last}"[:300])
+        if "probes" in got and "search" not in got:  # died within the search (the host's memory, say)
+            fit = [n for n, ok, _ in got["probes"] if ok]
+            got.update(search="error", longest=max(fit, default=None))
     return got
 
 
@@ -745,7 +757,8 @@ def markdown(doc: dict) -> str:
         f"{versions_text(doc.get('versions'))}; commit {doc.get('commit')})",
         "",
         f"Batch 1, a full step (forward, backward, AdamW); lengths {a['min']:,} doubled to {a['max']:,}, then "
-        f"bisected to {a['resolution']:,} tokens, {a['mode_seconds']:.0f} s per mode; compiled modes' shapes: "
+        f"bisected to {a['resolution']:,} tokens, {a['mode_seconds']:.0f} s per mode ({a.get('fresh_seconds', 0):.0f} s for "
+        f"a model per length: {', '.join(FRESH)}); compiled modes' shapes: "
         f"{a['shapes']}; tokens/s by wall time, median of {a['steps']}; peak: max_memory_allocated.",
         "",
     ]
@@ -846,6 +859,7 @@ def parser() -> argparse.ArgumentParser:
     arg("--max", type=int, help="the longest length probed (default 524288; --smoke 256)")
     arg("--resolution", type=int, help="the bisection's last step, tokens (default 1024; --smoke 16)")
     arg("--mode-seconds", type=float, help="seconds of search per mode (default 300; --smoke 60)")
+    arg("--fresh-seconds", type=float, help="seconds of search of kernelgraft (memory=auto), which builds and compiles a model per length (default 1800; --smoke 60)")  # fmt: skip
     arg("--steps", type=int, help="timed steps per measured length (default 3; --smoke 1)")
     arg(
         "--at",
@@ -858,7 +872,11 @@ def parser() -> argparse.ArgumentParser:
         default="/tmp/kernelgraft_models",
         help="folder of the saved random models (default: %(default)s)",
     )
-    arg("--timeout", type=float, help="seconds per (row, mode) process (default: --mode-seconds + 3600)")
+    arg(
+        "--timeout",
+        type=float,
+        help="seconds per (row, mode) process (default: its seconds of search + 3600)",
+    )
     arg("--check-grads", type=int, metavar="N", help="also judge kernelgraft's gradients at 1 x N tokens")
     arg(
         "--smoke",
@@ -900,8 +918,9 @@ def parse(argv=None) -> argparse.Namespace:
             ap.error(f"--{k} must be 1 or more, got {getattr(a, k)}")
     if a.max < a.min:
         ap.error(f"--max ({a.max}) is below --min ({a.min}): give a --max at least --min")
-    if a.mode_seconds <= 0:
-        ap.error(f"--mode-seconds must be above 0, got {a.mode_seconds}")
+    for k in ("mode_seconds", "fresh_seconds"):
+        if getattr(a, k) <= 0:
+            ap.error(f"--{k.replace('_', '-')} must be above 0, got {getattr(a, k)}")
     if a.check_grads is not None and a.check_grads < 2:
         ap.error(
             f"--check-grads needs 2 or more tokens (the loss predicts the next one), got {a.check_grads}"
@@ -935,7 +954,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     # this process never touches the GPU (a CUDA context would take memory from the children's): they say which it is
     doc = dict(provenance(torch.device("cpu"), DISTS), gpu="cpu (--smoke)" if a.smoke else "?", rows={})
-    doc["args"] = {k: getattr(a, k) for k in ("min", "max", "resolution", "mode_seconds", "steps", "at_list", "shapes", "smoke")}  # fmt: skip
+    doc["args"] = {k: getattr(a, k) for k in ("min", "max", "resolution", "mode_seconds", "fresh_seconds", "steps", "at_list", "shapes", "smoke")}  # fmt: skip
     if a.smoke:
         doc["args"]["smoke_limit_mib"] = a.smoke_limit_mib
     json_path = os.path.join(a.out, "context.json")
@@ -951,7 +970,11 @@ def main(argv=None) -> int:
         for mode in a.mode_list:
             why = unavailable(row, mode, a.smoke)
             log = os.path.join(a.out, "logs", f"{row}-{mode}".replace(" ", "_").replace("/", "_") + ".log")
-            got = dict(skipped=why) if why else run_in_process(["--one", row, "--mode", mode], a, log)
+            got = (
+                dict(skipped=why)
+                if why
+                else run_in_process(["--one", row, "--mode", mode], a, log, budget(mode, a))
+            )
             if "device" in got:
                 doc["gpu"], doc["gpu_memory_gib"] = got["device"], got["device_memory_gib"]
             doc["rows"].setdefault(row, {})[mode] = got
@@ -961,7 +984,7 @@ def main(argv=None) -> int:
             print(f"{row} | {mode} | {longest_text(got, doc['args'])} | {tok}", flush=True)
     if a.check_grads:
         log = os.path.join(a.out, "logs", "gradients.log")
-        doc["gradients"] = run_in_process(["--one-grads", str(a.check_grads)], a, log)
+        doc["gradients"] = run_in_process(["--one-grads", str(a.check_grads)], a, log, 0.0)
         save()
     try:
         made = plot(json_path)

@@ -52,6 +52,8 @@ On the GPU host (the peers installed as bench_unsloth.py says):
         -> DIR/context.json, DIR/context.md (rewritten after every mode), DIR/context.png (matplotlib),
            DIR/logs/ (each process's output); published as benchmarks/results/context/<date>-context.json
     python benchmarks/bench_context.py --plot DIR/context.json       (the PNG anywhere)
+    python benchmarks/bench_context.py --merge A/context.json B/context.json --out DIR
+        (runs of some rows and modes each, one table)
     python benchmarks/bench_context.py --smoke --out DIR             (no GPU: a tiny Llama on the CPU,
         lengths 16..256, a memory limit on the bytes saved for the backward, --smoke-limit-mib)
 """
@@ -845,6 +847,33 @@ def plot(path: str) -> str | None:
     return out
 
 
+def merge(paths: list[str], out: str) -> int:
+    """One context.json (and its table and plot) in `out` from runs of some rows and modes each: every
+    row's modes, a later file's replacing an earlier one's; the provenance and arguments of the last
+    file (the lengths measured beside the longest: every file's), each mode keeping the device it said
+    it ran on."""
+    doc: dict = {}
+    for path in paths:
+        with open(path) as f:
+            got = json.load(f)
+        rows = doc.get("rows", {})
+        for row, modes in got.get("rows", {}).items():
+            rows.setdefault(row, {}).update(modes)
+        at = set(doc.get("args", {}).get("at_list", [])) | set(got.get("args", {}).get("at_list", []))
+        doc.update({k: v for k, v in got.items() if k != "rows"}, rows=rows)
+        doc["args"] = dict(doc.get("args", {}), at_list=sorted(at))
+    os.makedirs(out, exist_ok=True)
+    json_path = os.path.join(out, "context.json")
+    compare(doc)
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(out, "context.md"), "w") as f:
+        f.write(markdown(doc))
+    print(markdown(doc))
+    print(plot(json_path) or "no plot: matplotlib is not importable here")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="bench_context.py", description=__doc__.split("\n\n")[0])
     arg = ap.add_argument
@@ -885,6 +914,12 @@ def parser() -> argparse.ArgumentParser:
     )
     arg("--smoke-limit-mib", type=float, default=1.5, help="--smoke's memory: MiB saved for the backward (default: %(default)s)")  # fmt: skip
     arg("--plot", metavar="JSON", help="only make the PNG of an earlier run's context.json")
+    arg(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="merge runs' context.json files (a later one's modes win) into --out",
+    )
     arg("--one", metavar="ROW", help=argparse.SUPPRESS)  # one (row, mode) in this process
     arg("--mode", help=argparse.SUPPRESS)
     arg("--one-grads", type=int, help=argparse.SUPPRESS)  # --check-grads in this process
@@ -934,6 +969,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.merge:
+        return merge(a.merge, a.out)
     if a.plot:
         made = plot(a.plot)
         print(made or "bench_context.py: no plot: matplotlib is not importable, or the file has no rows")

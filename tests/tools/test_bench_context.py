@@ -195,3 +195,35 @@ def test_check_grads_judges_every_lora_gradient_against_float64_truth():
     assert all(v["eager"] > 0 for v in got["verdicts"][1:])  # lora_B drawn at random: lora_A's gradients too
     assert got["ok"], got["worst"]
     assert got["sites"].get("lora", 0) > 0 and not got["fell_back"]
+
+
+def _run(mode_longest: dict, at: list[int]) -> dict:
+    """A context.json of one row whose modes fit up to the lengths given, measured there and at `at`."""
+    modes = {
+        m: dict(
+            longest=n, search="complete", shortest_failed=n + K, probes=[[n, True, 1.0], [n + K, False, 1.0]],
+            measurements={str(x): dict(tokens_per_s_wall=1000.0 + x, peak_gib=70.0) for x in [n, *at] if x <= n},
+        )
+        for m, n in mode_longest.items()
+    }  # fmt: skip
+    args = dict(min=4096, max=524288, resolution=K, mode_seconds=300.0, fresh_seconds=1800.0, steps=3, at_list=at, shapes="dynamic")  # fmt: skip
+    return dict(date="2026-01-01", gpu="NVIDIA H100", versions={"torch": "2.11"}, commit=None, args=args, rows={"llama-8b LoRA": modes})  # fmt: skip
+
+
+def test_merge_joins_runs_of_some_modes_each_and_compares_with_the_best_peer(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_run({"unsloth": 300 * K, "kernelgraft (offload)": 100 * K}, [8192])))
+    b.write_text(json.dumps(_run({"kernelgraft (offload)": 360 * K, "eager": 12 * K}, [32768])))
+    assert bc.main(["--merge", str(a), str(b), "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "context.json").read_text())
+    modes = doc["rows"]["llama-8b LoRA"]
+    assert list(modes) == ["unsloth", "kernelgraft (offload)", "eager"]
+    assert modes["kernelgraft (offload)"]["longest"] == 360 * K  # the later run's
+    assert modes["kernelgraft (offload)"]["best_peer"] == "unsloth"
+    assert modes["kernelgraft (offload)"]["vs_best_peer"] == pytest.approx(1.2)
+    assert doc["args"]["at_list"] == [8192, 32768]
+    md = (tmp_path / "out" / "context.md").read_text()
+    assert (
+        "| llama-8b LoRA | kernelgraft (offload) | 368,640 | 369,640 | 70.0 | 1.20x (unsloth) | - | 33,768 |"
+        in md
+    )

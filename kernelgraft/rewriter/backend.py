@@ -19,7 +19,7 @@ from ..options import Options
 from ..patterns import REGISTRY, Registry, Spelling
 from . import attention, ddp, launch_record, lowering, runs
 from .pipeline import graft
-from .report import RewriteReport
+from .report import _RECORDS, RewriteReport
 
 # set around a model's call that decodes (a KV cache passed in, as generate() passes one): its
 # graphs without gradients are reported as decoding, not evaluation
@@ -27,6 +27,9 @@ DECODING = contextvars.ContextVar("kernelgraft_decoding", default=False)
 # set while an offloaded layer runs its forward under no_grad (offload.py): that graph is a training
 # step's, grafted and reported as one, and the backward runs the same kernels again with gradients
 CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelgraft_checkpointed", default=False)
+# the path of the layers whose own graph is being captured (offload.py: "model.layers.*"): the records'
+# module paths, relative to the layer, are read from the model's root
+LAYERS: contextvars.ContextVar[str] = contextvars.ContextVar("kernelgraft_layers", default="")
 
 
 def resolve_patterns(patterns) -> list:
@@ -98,7 +101,9 @@ class Grafter:
     def capture_kind(self) -> str:
         """The kind of graph being captured (report.CAPTURES): training with gradients on (or where
         `training` says so), else decoding inside a call that passed a KV cache, else evaluation."""
-        training = self.training if self.training is not None else torch.is_grad_enabled() or CHECKPOINTED.get()
+        training = (
+            self.training if self.training is not None else torch.is_grad_enabled() or CHECKPOINTED.get()
+        )
         if training:
             return "training"
         return "decoding" if DECODING.get() else "evaluation"
@@ -126,7 +131,10 @@ class Grafter:
         # a copy of the graph as captured, for the calls whose masks fail their run-time check
         checking = not self.dry_run and self.options.causal_attention
         stock = _graph_copy(gm) if checking and attention.has_input_masks(gm) else None
-        self.report.extend(self._graft(gm, runtime_masks=True), frame=_frame_id(), capture=self.capture_kind())
+        grafted = self._graft(gm, runtime_masks=True)
+        if LAYERS.get():
+            _under(grafted, LAYERS.get())
+        self.report.extend(grafted, frame=_frame_id(), capture=self.capture_kind())
         compiled = self._lower(gm, example_inputs)
         checks = gm.meta.pop(attention.META, None)
         if not checks:
@@ -149,7 +157,9 @@ class Grafter:
                     "launcher (slower on the host; a kernel that fails there falls back to the stock code). "
                     "If this compile fails too, the error is inductor's, not the kernels'.",
                 )  # fmt: skip
-                return self._inductor(gm, example_inputs, launch=False, because="inductor's launches failed to compile")
+                return self._inductor(
+                    gm, example_inputs, launch=False, because="inductor's launches failed to compile"
+                )
         if not self.dry_run:  # run as it is: the kernels called without the dispatcher's work on each call
             lowering.eager_calls(gm)
         return gm.forward
@@ -191,7 +201,9 @@ class Grafter:
             counted = Counter(self.report.launched_by)
             try:
                 with lowering.tangents_laid_out_as_outputs(), record("C++"):
-                    compiled = compile_fx(gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra)
+                    compiled = compile_fx(
+                        gm, example_inputs, config_patches=dict(patches, cpp_wrapper=True), **extra
+                    )
                 self.report.wrappers["C++"] += 1
                 return compiled
             except Exception as e:  # noqa: BLE001 - no C++ compiler, or a graph the C++ wrapper cannot take
@@ -213,8 +225,13 @@ class Grafter:
         if post is None:
             yield
             return
-        inputs = [(tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-        key = launch_record.graph_key(gm.code, inputs, self.options, wrapper, post.launch, post.host_because, post.uuid())
+        inputs = [
+            (tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a
+            for a in example_inputs
+        ]
+        key = launch_record.graph_key(
+            gm.code, inputs, self.options, wrapper, post.launch, post.host_because, post.uuid()
+        )
         # kept on the pass: inductor compiles the backward graph later, on the first backward
         post.record = launch_record.LaunchRecord(key, self.report.launched_by)
         yield
@@ -244,7 +261,9 @@ class Grafter:
     def grafted_whole(self, gm: torch.fx.GraphModule):
         """gm grafted now; inside the block, the pieces DDPOptimizer cuts from it are only lowered.
         Masks that read graph inputs are kept: checks by position would not survive the cut."""
-        self.report.extend(self._graft(gm, runtime_masks=False), frame=_frame_id(), capture=self.capture_kind())
+        self.report.extend(
+            self._graft(gm, runtime_masks=False), frame=_frame_id(), capture=self.capture_kind()
+        )
         self._grafted_whole = True
         try:
             yield
@@ -271,6 +290,14 @@ class MaskChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback(args)
         return self.fallback(*args)
+
+
+def _under(report: RewriteReport, path: str) -> None:
+    """The records' module paths, relative to a layer, read from the model's root (`path.*`)."""
+    for name in _RECORDS:
+        for r in getattr(report, name):
+            if isinstance(getattr(r, "module", None), str):
+                r.module = path if r.module in ("", "<top>") else f"{path}.{r.module}"
 
 
 def _on_cuda(example_inputs) -> bool:

@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._dynamo import fresh_entry
-from .backend import CHECKPOINTED
+from .backend import CHECKPOINTED, LAYERS
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
@@ -231,7 +231,7 @@ class OffloadedLayers:
                 fresh_entry(f"{cls.__name__} layers", call, {"layer_forward": cls.forward})
             )
             for layer in self.layers:
-                run = functools.partial(entry, layer)
+                run = functools.partial(_in_layers, f"{self.path}.*", entry, layer)
                 # the model's graph breaks here: the layer runs its own compiled graph, checkpointed
                 self.calls.append(torch._dynamo.disable(functools.partial(_call, layer, run, self.offloader)))
         for layer, call in zip(self.layers, self.calls):
@@ -242,6 +242,15 @@ class OffloadedLayers:
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
         self.installed = False
+
+
+def _in_layers(path: str, entry, layer, *args, **kwargs):
+    """The layer's compiled entry, its captures' records read as paths under `path`."""
+    mark = LAYERS.set(path)
+    try:
+        return entry(layer, *args, **kwargs)
+    finally:
+        LAYERS.reset(mark)
 
 
 _TENSOR = object()  # where an output leaf is one of the checkpoint's tensors

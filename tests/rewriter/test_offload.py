@@ -63,6 +63,8 @@ def test_offloaded_layers_train_by_the_rule_and_serve_every_site(backend):
     rep = mine.kernelgraft_report
     assert rep.offloaded["path"] == "model.layers" and rep.offloaded["layers"] == 2
     assert "offloaded: the 2 layers of model.layers keep their inputs on the host" in str(rep)
+    # the layers' one graph: its records name every layer's module
+    assert {r.module for r in rep.sites if r.pattern == "gated_mlp"} == {"model.layers.*.mlp"}
 
 
 def test_a_layer_keeps_only_its_input_on_the_host():

@@ -152,6 +152,7 @@ class _Compiled:
         self.grafter, self.dynamic, self.tag = grafter, dynamic, tag
         self.layers = None  # offload.OffloadedLayers, where layers are offloaded
         self.memory_chosen = False  # Options.memory's levers chosen (at the first training call)
+        self.layered = None  # whether FSDP2 sharded its layers (looked at the first training call)
         self.dicts: tuple = ()
         self.sizes: tuple | None = None  # the dicts' sizes when last compared; None: all empty
         self.hooks: tuple | None = None  # the hook ids of each dict, when last compared
@@ -314,10 +315,12 @@ def _own_checkpointing(layers):
 
 def _run(compiled, model, *args, **kwargs):
     grafter = compiled.grafter
-    kwargs = _no_cache_in_training(model, kwargs)
     training = model.training and torch.is_grad_enabled()
     if training and grafter.options.memory is not None and not compiled.memory_chosen:
         _choose_memory(compiled, model, args, kwargs)
+    if training and compiled.layered is None:
+        compiled.layered = _sharded(model)
+    kwargs = _no_cache_in_training(model, kwargs, compiled.layers is not None or bool(compiled.layered))
     if compiled.layers is not None:
         with _own_checkpointing(compiled.layers):
             return _run_compiled(compiled, model, *args, **kwargs)
@@ -351,18 +354,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _no_cache_in_training(model, kwargs: dict) -> dict:
-    """A training forward of a Hugging Face model that asks nothing of the KV cache gets
-    `use_cache=False`, as under gradient checkpointing: the cache a training step would fill is never
-    read, and its update makes each layer's code depend on the layer's index, so a model whose layers
-    are separate graphs (FSDP2, a graph break per layer) would recompile per layer until dynamo's
-    limit, then run the rest uncompiled. An explicit `use_cache` or a cache passed in is kept."""
-    if "use_cache" in kwargs or _decodes(kwargs) or not (model.training and torch.is_grad_enabled()):
+def _no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:
+    """A training forward of a Hugging Face model whose layers are graphs of their own (`layered`:
+    offloaded layers, FSDP2's sharded ones) gets `use_cache=False` unless the call says otherwise, as
+    under gradient checkpointing: the cache a training step would fill is never read, and its update
+    makes each layer's code depend on the layer's index, so one graph per layer would be compiled
+    until dynamo's limit, and the rest run uncompiled. An explicit `use_cache` or a cache passed in
+    is kept."""
+    if not layered or "use_cache" in kwargs or _decodes(kwargs) or not (model.training and torch.is_grad_enabled()):
         return kwargs
     config = getattr(model, "config", None)
     if not getattr(config, "use_cache", False) or not hasattr(config, "to_dict"):  # not a transformers config
         return kwargs
     return {**kwargs, "use_cache": False}
+
+
+def _sharded(model) -> bool:
+    """Whether FSDP2's fully_shard wrapped a module of `model` (its class is then FSDP<name>): each
+    such module's forward is a graph of its own."""
+    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
 
 
 def _decodes(kwargs) -> bool:

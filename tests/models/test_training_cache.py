@@ -1,5 +1,6 @@
-"""A training forward builds no KV cache unless asked: its layers compile once each, also where each
-layer is a graph of its own (as under FSDP2), and what the caller asks of the cache is kept."""
+"""A training forward whose layers are graphs of their own (offloaded layers; FSDP2's sharded ones)
+builds no KV cache unless asked: the layers' one graph compiles once, and what the caller asks of
+the cache is kept."""
 
 from __future__ import annotations
 
@@ -9,12 +10,6 @@ from tiny import batch, compare_models, tiny_model
 import kernelgraft
 
 
-def per_layer_graphs(model):
-    """A graph break before every decoder layer, as FSDP2's pre-forward hooks make: each layer's
-    forward is then a frame dynamo captures by itself."""
-    for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda *a: torch._dynamo.graph_break())
-    return model
 
 
 def layer_compiles(rep) -> dict[int, set[int]]:
@@ -29,7 +24,7 @@ def layer_compiles(rep) -> dict[int, set[int]]:
 def test_layers_as_separate_graphs_compile_once_and_train_by_the_rule():
     torch.manual_seed(0)
     stock = tiny_model("llama")
-    mine = kernelgraft.optimize(per_layer_graphs(tiny_model("llama")), backend="eager")
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", offload=True)
     mine.load_state_dict(stock.state_dict())
     b = batch()
     out = mine(**b)
@@ -46,10 +41,12 @@ def test_layers_as_separate_graphs_compile_once_and_train_by_the_rule():
 
 
 def test_what_the_caller_asks_of_the_cache_is_kept():
-    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", offload=True)
     b = batch()
     assert mine(**b).past_key_values is None
     assert mine(**b, use_cache=True).past_key_values is not None  # asked for: kept
+    plain = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    assert plain(**b).past_key_values is not None  # one graph for every layer: the model's own way
     with torch.no_grad():  # evaluation and decoding fill it as the model's config says
         assert mine(input_ids=b["input_ids"]).past_key_values is not None
     mine.eval()

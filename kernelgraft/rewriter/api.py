@@ -265,7 +265,9 @@ def _restore(obj, state) -> None:
 
 
 def _call(compiled, model, *args, **kwargs):
-    if torch.compiler.is_dynamo_compiling():  # an outer torch.compile traces this call (this thread's): run it as is
+    if (
+        torch.compiler.is_dynamo_compiling()
+    ):  # an outer torch.compile traces this call (this thread's): run it as is
         return _nested(compiled, model, *args, **kwargs)
     return _run(compiled, model, *args, **kwargs)
 
@@ -277,7 +279,9 @@ def _offload(compiled, model) -> None:
     )
     layers.install()
     compiled.layers = layers
-    compiled.grafter.report.offloaded = dict(path=layers.path, layers=len(layers.layers), offloader=layers.offloader)
+    compiled.grafter.report.offloaded = dict(
+        path=layers.path, layers=len(layers.layers), offloader=layers.offloader
+    )
 
 
 def _choose_memory(compiled, model, args, kwargs) -> None:
@@ -293,7 +297,9 @@ def _choose_memory(compiled, model, args, kwargs) -> None:
         )
         return
     model.kernelgraft_report.memory = choice
-    grafter.options = grafter.options.replace(tile_tokens=choice.tile_tokens, lm_head_memory=choice.lm_head_memory)
+    grafter.options = grafter.options.replace(
+        tile_tokens=choice.tile_tokens, lm_head_memory=choice.lm_head_memory
+    )
     if choice.offload and compiled.layers is None:
         _offload(compiled, model)
 
@@ -303,7 +309,9 @@ def _own_checkpointing(layers):
     """Offloaded layers checkpoint themselves: Hugging Face's gradient checkpointing (which Trainer
     turns on) is off for the call, so that each layer runs once in the forward and once again in the
     backward, not twice."""
-    flags = [(m, m.gradient_checkpointing) for m in layers.layers if getattr(m, "gradient_checkpointing", False)]
+    flags = [
+        (m, m.gradient_checkpointing) for m in layers.layers if getattr(m, "gradient_checkpointing", False)
+    ]
     for m, _ in flags:
         m.gradient_checkpointing = False
     try:
@@ -361,7 +369,12 @@ def _no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:
     makes each layer's code depend on the layer's index, so one graph per layer would be compiled
     until dynamo's limit, and the rest run uncompiled. An explicit `use_cache` or a cache passed in
     is kept."""
-    if not layered or "use_cache" in kwargs or _decodes(kwargs) or not (model.training and torch.is_grad_enabled()):
+    if (
+        not layered
+        or "use_cache" in kwargs
+        or _decodes(kwargs)
+        or not (model.training and torch.is_grad_enabled())
+    ):
         return kwargs
     config = getattr(model, "config", None)
     if not getattr(config, "use_cache", False) or not hasattr(config, "to_dict"):  # not a transformers config
@@ -404,7 +417,12 @@ def _note_other_heads(model) -> None:
                     f"the LM head and its loss run in {who} on {name or '<top>'}: kernelgraft's lm_head_ce "
                     "never sees the logits there, so one fused head runs, theirs"
                 )
-                if code is not None and code.co_name == name_of and folder in folders and note not in rep.notes:
+                if (
+                    code is not None
+                    and code.co_name == name_of
+                    and folder in folders
+                    and note not in rep.notes
+                ):
                     rep.notes.append(note)
             fn = getattr(fn, "__wrapped__", None)
 

@@ -10,8 +10,6 @@ from tiny import batch, compare_models, tiny_model
 import kernelgraft
 
 
-
-
 def layer_compiles(rep) -> dict[int, set[int]]:
     """{frame: the compiles of that frame} among the frames holding a `gated_mlp` site."""
     out: dict[int, set[int]] = {}

@@ -1,6 +1,8 @@
 """The op a tiled region runs as (rewriter/tiling.py): kernelgraft::tiled_region(key, tile, inputs).
 
-The region's graphs are kept in TABLE under `key` (a graph cannot be an op's argument). The op is
+The region's nodes are copied into graphs of their own (`register`), kept in TABLE under `key`, a
+string made from their code (a graph cannot be an op's argument; the same region in every layer,
+and in every process that captures it, is one key). The op is
 opaque to dynamo, AOT autograd and inductor (a torch.library custom op with a fake implementation,
 which runs the region's graph on the fake inputs for its outputs' shapes). Its forward runs the
 region over tiles of `tile` positions of the sequence under no_grad and keeps only its inputs for
@@ -13,6 +15,8 @@ autograd.Function around the same two functions (lowering.eager_calls), without 
 from __future__ import annotations
 
 import contextvars
+import hashlib
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +27,9 @@ from ..kernels.fallback import as_in_eager
 from ..kernels.family import define, register_eager_call
 
 NARROW = (torch.bfloat16, torch.float16)
+LINEARS = (F.linear, torch._C._nn.linear)
+MATMULS = (torch.matmul, operator.matmul)
+VIEWS = {"view", "reshape"}
 
 
 @dataclass
@@ -80,6 +87,87 @@ def acc_linear(x, w, b, slots, transposed):
     slots, the input indices of its weight and bias (None: not summed here)."""
     sums = _SUMS.get() or {}
     return _AccLinear.apply(x, w, b, tuple(sums.get(i) if i is not None else None for i in slots), transposed)
+
+
+# ---- the region's graphs ------------------------------------------------------------------------
+
+
+def _weight_slot(n: fx.Node, i) -> bool:
+    """Argument i of n is the weight (or bias) of a linear or matmul."""
+    return n.target in LINEARS and i in (1, 2) or n.target in MATMULS and i == 1
+
+
+def _summed(nodes: list, inputs: list, token: list) -> list[bool]:
+    """Per input: a weight (or bias) read only as such by the region's linears and matmuls."""
+    ok = dict.fromkeys(inputs, True)
+    for n in nodes:
+        slots: dict = {}
+        for i, x in [*enumerate(n.args), *n.kwargs.items()]:
+            if isinstance(x, fx.Node):
+                slots.setdefault(x, []).append(i)
+        for a in n.all_input_nodes:
+            if a in ok and not all(_weight_slot(n, i) for i in slots.get(a, [None])):
+                ok[a] = False
+    return [ok[a] and not t for a, t in zip(inputs, token)]
+
+
+def is_view(n: fx.Node) -> bool:
+    return n.target is torch.reshape or n.op == "call_method" and n.target in VIEWS
+
+
+def view_sizes(n: fx.Node) -> list:
+    """A view's sizes, given as varargs or as one sequence."""
+    shape = list(n.args[1:])
+    return list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+
+
+def _graph(nodes: list, inputs: list, outputs: list, summed: list, backward: bool) -> fx.GraphModule:
+    """The region's nodes on placeholders for its inputs, returning its outputs; a view's batch and
+    sequence sizes read from its input (a tile's); in the backward's graph, linears whose weights
+    are summed here call acc_linear."""
+    g = fx.Graph()
+    env = {a: g.placeholder(f"in{i}") for i, a in enumerate(inputs)}
+    index = {a: i for i, a in enumerate(inputs)}
+    for j, n in enumerate(nodes):
+        if is_view(n):
+            x = env[n.args[0]]
+            dims = view_sizes(n)
+            lead = [g.call_method("size", (x, 0)) if isinstance(dims[0], fx.Node) else dims[0]]
+            args, kwargs = (x, (*lead, g.call_method("size", (x, 1)), *dims[2:])), {}
+        else:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+        target, op = n.target, n.op
+        w = n.args[1] if backward and n.target in LINEARS + MATMULS else None
+        if w in index and summed[index[w]]:  # the weight's gradient summed by the linear itself
+            b = n.args[2] if len(n.args) > 2 else None
+            sums = (index[w], index[b] if b in index and summed[index[b]] else None)
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            op, target, args, kwargs = (
+                "call_function",
+                acc_linear,
+                (args[0], args[1], bias, sums, n.target in MATMULS),
+                {},
+            )
+        env[n] = g.create_node(op, target, tuple(args), kwargs, name=f"v{j}")
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def register(nodes: list, inputs: list, token: list, outputs: list, meta) -> str:
+    """The region's graphs in TABLE; -> their key. meta(node): the value a node held when traced."""
+    summed = _summed(nodes, inputs, token)
+    fwd = _graph(nodes, inputs, outputs, summed, backward=False)
+    what = [fwd.code]
+    for a, tok in zip(inputs, token):
+        v = meta(a)
+        what.append((tok, str(v.dtype), v.dim(), () if tok else tuple(str(d) for d in v.shape)))
+    key = "region_" + hashlib.sha1(repr(what).encode()).hexdigest()[:16]
+    if key not in TABLE:
+        TABLE[key] = Tiled(fwd, _graph(nodes, inputs, outputs, summed, backward=True), list(token), summed)
+    return key
+
+
+# ---- the op -------------------------------------------------------------------------------------
 
 
 def _tiles(t: Tiled, inputs: list, tile: int):

@@ -30,13 +30,11 @@ per tile, so an op with such a weight (a bf16 norm's) is left out of the regions
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..ir import PRIMITIVES
 from ..kernels import FAMILIES
@@ -44,15 +42,12 @@ from ..kernels.family import op_name
 from .ddp import global_state_switch
 from .replace import copy_source_meta
 from .report import TileRecord, example_value, module_path
-from .tiled import NARROW, TABLE, TILED, Tiled, acc_linear
+from .tiled import LINEARS, MATMULS, NARROW, TILED, VIEWS, is_view, register, view_sizes
 
 # kernel families whose ops compute each row (token) of their outputs from that row of their inputs
 TOKEN_FAMILIES = ("row", "lora")
-LINEARS = (F.linear, torch._C._nn.linear)
-MATMULS = (torch.matmul, operator.matmul)
 CASTS = {"to", "float", "half", "bfloat16", "double", "type_as"}
 COPIES = {"contiguous", "clone"}
-VIEWS = {"view", "reshape"}
 # nodes that alias their input: bytes counted once, at the value they view
 ALIASES = VIEWS | {"contiguous"}
 
@@ -60,14 +55,22 @@ ALIASES = VIEWS | {"contiguous"}
 # ---- which nodes are token-wise -------------------------------------------------------------------
 
 
+def _size(d):
+    """A size as compared here: an int, or a symbolic size's expression (compared without guards)."""
+    return d if type(d) is int else str(d)
+
+
+def _hint(d) -> int | None:
+    """A size's value in the capture (a symbolic size's hint; None where it has none)."""
+    return d if type(d) is int else getattr(getattr(d, "node", None), "hint", None)
+
+
 def _tokens(v) -> tuple | None:
-    """(B, S) of a value laid out [B, S, ...] with at least one dim after them, static, S > 1."""
+    """(B, S) of a value laid out [B, S, ...] with at least one dim after them, S > 1 as captured."""
     if not isinstance(v, torch.Tensor) or v.dim() < 3:
         return None
-    b, s = v.shape[0], v.shape[1]
-    if type(b) is not int or type(s) is not int or s < 2:
-        return None
-    return b, s
+    s = _hint(v.shape[1])
+    return (_size(v.shape[0]), _size(v.shape[1])) if s is not None and s > 1 else None
 
 
 def _operand(v, bs: tuple, rank: int) -> str | None:
@@ -76,13 +79,13 @@ def _operand(v, bs: tuple, rank: int) -> str | None:
     (the tokens some other way)."""
     if not isinstance(v, torch.Tensor):
         return "whole"
-    k = v.dim()
+    k, lead = v.dim(), [_size(d) for d in v.shape[:2]]
     if k == rank:
-        if v.shape[1] == bs[1]:
-            return "token" if v.shape[0] in (bs[0], 1) else None
-        return "whole" if v.shape[1] == 1 else None
+        if lead[1] == bs[1]:
+            return "token" if lead[0] in (bs[0], 1) else None
+        return "whole" if lead[1] == 1 else None
     if k == rank - 1:  # its first dim faces the sequence
-        return None if v.shape[0] == bs[1] else "whole"
+        return None if lead[0] == bs[1] else "whole"
     return "whole" if k < rank else None
 
 
@@ -133,7 +136,7 @@ def _kind(n: fx.Node, spellings: dict) -> str | None:
             return "cat"
         if n.target is operator.getitem:
             return "slice"
-        if n.target is torch.reshape:
+        if is_view(n):
             return "view"
         if _family_op(n, spellings) is not None:
             return "kernel"
@@ -142,7 +145,7 @@ def _kind(n: fx.Node, spellings: dict) -> str | None:
             return "cast"
         if n.target in COPIES:
             return "copy"
-        if n.target in VIEWS:
+        if is_view(n):
             return "view"
     else:
         return None
@@ -172,6 +175,8 @@ def _reads(n: fx.Node, bs: tuple, rank: int, kind: str) -> bool:
             return False
         # autocast's linear (its output in another dtype) would not be autocast inside the op
         return x.dtype == w.dtype == example_value(n).dtype and all(v.dim() <= 1 for v in vals[2:])
+    if kind in ("view", "slice", "copy", "cast"):  # x's tokens checked by the caller; type_as's other
+        vals = vals[1:]
     kinds = [_operand(v, bs, rank) for v in vals]
     if None in kinds:
         return False
@@ -273,8 +278,12 @@ def _region(nodes: list, bs: tuple, order: dict) -> Region:
     for n in nodes:
         rank = _rank(n)
         linear = n.target in LINEARS + MATMULS
+        # a view's batch and sequence sizes are read from its input in each tile (tiled.register)
+        sizes_read = set(view_sizes(n)[:2]) - {n.args[0]} if is_view(n) else set()
+        if is_view(n) and any(isinstance(d, fx.Node) for d in view_sizes(n)[2:]):
+            reads.setdefault(n, set()).add("number")
         for a in n.all_input_nodes:
-            if a in inside:
+            if a in inside or a in sizes_read:
                 continue
             inputs.setdefault(a, None)
             v = example_value(a)
@@ -283,8 +292,8 @@ def _region(nodes: list, bs: tuple, order: dict) -> Region:
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     ins = sorted(inputs, key=order.get)
     why = ""
-    if any(reads[a] - {"token", "whole"} for a in ins) or any(len(reads[a]) > 1 for a in ins):
-        why = "an input read other than token by token or whole (a symbolic size, or two ways)"
+    if any(reads[a] - {"token", "whole"} or len(reads[a]) > 1 for a in reads):
+        why = "a number read from the graph (a symbolic size), or an input read two ways"
     elif any(_tokens(example_value(o)) != bs for o in outputs):
         why = "an output not laid out by tokens"
     return Region(nodes, bs, ins, ["token" in reads[a] for a in ins], outputs, why)
@@ -298,7 +307,13 @@ def _rank(n: fx.Node) -> int:
 
 
 def _bytes(v) -> int:
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+    """A value's bytes as captured."""
+    if not isinstance(v, torch.Tensor):
+        return 0
+    out = v.element_size()
+    for d in v.shape:
+        out *= _hint(d) or 0
+    return out
 
 
 def _aliases(n: fx.Node) -> bool:
@@ -377,7 +392,7 @@ def tile_graph(gm: fx.GraphModule, tile: int, spellings, edit: bool = True) -> l
         order = {n: i for i, n in enumerate(graph.nodes)}
         heads = max((order[n] for n in graph.nodes if n.op in ("placeholder", "get_attr")), default=-1)
         inner, edges = sizes(r)
-        S = r.bs[1]
+        S = _hint(example_value(r.outputs[0]).shape[1])  # a symbolic size: as captured
         paths = list(dict.fromkeys(module_path(n) for n in r.nodes))
         names = [_name(n, prefixes) for n in r.nodes if not _aliases(n) and n.target is not operator.getitem]
         rec = TileRecord(_common(paths), names, S, tile, inner, inner * min(tile, S) // S, modules=paths)
@@ -403,7 +418,7 @@ def tile_graph(gm: fx.GraphModule, tile: int, spellings, edit: bool = True) -> l
 
 def _replace(gm: fx.GraphModule, r: Region, tile: int, after: fx.Node) -> dict:
     """The region's nodes -> one tiled_region call after `after`; -> {its output: the getitem now}."""
-    key = register(r)
+    key = register(r.nodes, r.inputs, r.token, r.outputs, example_value)
     graph = gm.graph
     with graph.inserting_after(after):
         call = graph.call_function(TILED, (key, tile, list(r.inputs)))
@@ -418,75 +433,3 @@ def _replace(gm: fx.GraphModule, r: Region, tile: int, after: fx.Node) -> dict:
     for n in reversed(r.nodes):
         graph.erase_node(n)
     return dict(zip(r.outputs, outs))
-
-
-# ---- the region as a graph of its own, and the op that runs it over tiles ----------------------
-
-
-def _weight_slot(n: fx.Node, i) -> bool:
-    """Argument i of n is the weight (or bias) of a linear or matmul."""
-    return n.target in LINEARS and i in (1, 2) or n.target in MATMULS and i == 1
-
-
-def _summed(r: Region) -> list[bool]:
-    """Per input: a weight (or bias) read only as such by the region's linears and matmuls."""
-    ok = dict.fromkeys(r.inputs, True)
-    for n in r.nodes:
-        slots: dict = {}
-        for i, x in [*enumerate(n.args), *n.kwargs.items()]:
-            if isinstance(x, fx.Node):
-                slots.setdefault(x, []).append(i)
-        for a in n.all_input_nodes:
-            if a in ok and not all(_weight_slot(n, i) for i in slots.get(a, [None])):
-                ok[a] = False
-    return [ok[a] and not t for a, t in zip(r.inputs, r.token)]
-
-
-def _graph(r: Region, summed: list, backward: bool) -> fx.GraphModule:
-    g = fx.Graph()
-    env = {a: g.placeholder(f"in{i}") for i, a in enumerate(r.inputs)}
-    index = {a: i for i, a in enumerate(r.inputs)}
-    for j, n in enumerate(r.nodes):
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-        if n.target is torch.reshape or n.op == "call_method" and n.target in VIEWS:
-            args = _tile_shape(g, args)
-        target, op = n.target, n.op
-        w = n.args[1] if backward and n.target in LINEARS + MATMULS else None
-        if w in index and summed[index[w]]:  # the weight's gradient summed by the linear itself
-            b = n.args[2] if len(n.args) > 2 else None
-            sums = (index[w], index[b] if b in index and summed[index[b]] else None)
-            op, target = "call_function", acc_linear
-            args = (
-                args[0],
-                args[1],
-                args[2] if len(args) > 2 else kwargs.get("bias"),
-                sums,
-                n.target in MATMULS,
-            )
-            kwargs = {}
-        env[n] = g.create_node(op, target, tuple(args), kwargs, name=f"v{j}")
-    g.output(tuple(env[o] for o in r.outputs))
-    return fx.GraphModule(torch.nn.Module(), g)
-
-
-def _tile_shape(g: fx.Graph, args: tuple) -> tuple:
-    """A view's shape with its sequence size read from its input (a tile's), not the graph's."""
-    x, *shape = args
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = list(shape[0])
-    return (x, (shape[0], g.call_method("size", (x, 1)), *shape[2:]))
-
-
-def register(r: Region) -> str:
-    """The region's graphs in TABLE, under a key made from their code and inputs (the same region
-    in every layer, and in every process that captures it, is one key)."""
-    summed = _summed(r)
-    fwd = _graph(r, summed, backward=False)
-    what = [fwd.code]
-    for a, tok in zip(r.inputs, r.token):
-        v = example_value(a)
-        what.append((tok, str(v.dtype), v.dim(), () if tok else tuple(v.shape)))
-    key = "region_" + hashlib.sha1(repr(what).encode()).hexdigest()[:16]
-    if key not in TABLE:
-        TABLE[key] = Tiled(fwd, _graph(r, summed, backward=True), list(r.token), summed)
-    return key

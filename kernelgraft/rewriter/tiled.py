@@ -97,7 +97,7 @@ def _weight_slot(n: fx.Node, i) -> bool:
     return n.target in LINEARS and i in (1, 2) or n.target in MATMULS and i == 1
 
 
-def _summed(nodes: list, inputs: list, token: list) -> list[bool]:
+def summed_weights(nodes: list, inputs: list, token: list) -> list[bool]:
     """Per input: a weight (or bias) read only as such by the region's linears and matmuls."""
     ok = dict.fromkeys(inputs, True)
     for n in nodes:
@@ -155,7 +155,7 @@ def _graph(nodes: list, inputs: list, outputs: list, summed: list, backward: boo
 
 def register(nodes: list, inputs: list, token: list, outputs: list, meta) -> str:
     """The region's graphs in TABLE; -> their key. meta(node): the value a node held when traced."""
-    summed = _summed(nodes, inputs, token)
+    summed = summed_weights(nodes, inputs, token)
     fwd = _graph(nodes, inputs, outputs, summed, backward=False)
     what = [fwd.code]
     for a, tok in zip(inputs, token):

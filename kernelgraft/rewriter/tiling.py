@@ -42,7 +42,7 @@ from ..kernels.family import op_name
 from .ddp import global_state_switch
 from .replace import copy_source_meta
 from .report import TileRecord, example_value, module_path
-from .tiled import LINEARS, MATMULS, NARROW, TILED, VIEWS, is_view, register, view_sizes
+from .tiled import LINEARS, MATMULS, NARROW, TILED, VIEWS, is_view, register, summed_weights, view_sizes
 
 # kernel families whose ops compute each row (token) of their outputs from that row of their inputs
 TOKEN_FAMILIES = ("row", "lora")
@@ -291,12 +291,18 @@ def _region(nodes: list, bs: tuple, order: dict) -> Region:
             reads.setdefault(a, set()).add(how if isinstance(v, torch.Tensor) else "number")
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     ins = sorted(inputs, key=order.get)
+    token = ["token" in reads[a] for a in ins]
+    own = [
+        example_value(a) for a, t, s in zip(ins, token, summed_weights(nodes, ins, token)) if not t and not s
+    ]
     why = ""
     if any(reads[a] - {"token", "whole"} or len(reads[a]) > 1 for a in reads):
         why = "a number read from the graph (a symbolic size), or an input read two ways"
     elif any(_tokens(example_value(o)) != bs for o in outputs):
         why = "an output not laid out by tokens"
-    return Region(nodes, bs, ins, ["token" in reads[a] for a in ins], outputs, why)
+    elif any(isinstance(v, torch.Tensor) and v.requires_grad and v.dtype in NARROW for v in own):
+        why = "a 2-byte weight besides a linear's: each tile's backward would round its gradient"
+    return Region(nodes, bs, ins, token, outputs, why)
 
 
 def _rank(n: fx.Node) -> int:
@@ -391,6 +397,8 @@ def tile_graph(gm: fx.GraphModule, tile: int, spellings, edit: bool = True) -> l
         r.inputs = [moved.get(a, a) for a in r.inputs]
         order = {n: i for i, n in enumerate(graph.nodes)}
         heads = max((order[n] for n in graph.nodes if n.op in ("placeholder", "get_attr")), default=-1)
+        if not r.outputs:  # nothing reads it
+            continue
         inner, edges = sizes(r)
         S = _hint(example_value(r.outputs[0]).shape[1])  # a symbolic size: as captured
         paths = list(dict.fromkeys(module_path(n) for n in r.nodes))

@@ -53,8 +53,8 @@ def test_tiled_regions_keep_the_loss_and_every_gradient_by_the_rule(arch, backen
     stock = tiny_model(arch, dtype)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend, tile_tokens=TILE, dynamic=False)
     batches = [batch(seed=i, S=S) for i, S in enumerate(lengths)]
-    # inductor's own rounding is judged beside torch.compile's; the eager backend's beside eager's alone
-    _ok(compare_models(mine, stock, batches, compiled=backend == "inductor"))
+    # inductor's bf16 rounding is judged beside torch.compile's; the rest beside eager's alone (stricter)
+    _ok(compare_models(mine, stock, batches, compiled=backend == "inductor" and dtype == torch.bfloat16))
     _mlps_tiled(mine.kernelgraft_report, stock.config.num_hidden_layers, set(lengths))
     if dtype == torch.bfloat16:  # a bf16 norm's weight gradient would be rounded per tile: left outside
         assert not any("rms_norm.llama" in t.ops for t in mine.kernelgraft_report.tiles if t.tiled)

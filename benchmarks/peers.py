@@ -53,7 +53,7 @@ SLIM = (
     ("pyarrow", "pyarrow/src/*", "C++ sources"),
     ("pyarrow", "pyarrow/tests/*", "pyarrow's tests"),
     ("pyarrow", "pyarrow/*flight*", "Arrow Flight RPC"),
-    ("pyarrow", "pyarrow/*substrait*", "Substrait query plans"),
+    ("pyarrow", "pyarrow/_substrait*", "Substrait query plans (its library stays: pyarrow.lib links it)"),
     ("pyarrow", "pyarrow/*_s3*", "S3 file system (pyarrow.fs imports it only if present)"),
     ("pyarrow", "pyarrow/_gcsfs*", "Google Cloud file system (likewise)"),
     ("pyarrow", "pyarrow/_azurefs*", "Azure file system (likewise)"),

@@ -277,6 +277,7 @@ def _offload(compiled, model) -> None:
     layers = OffloadedLayers(
         model, lambda forward: torch.compile(forward, backend=compiled.grafter, dynamic=compiled.dynamic)
     )
+    layers.offloader.causal = compiled.grafter.options.causal_attention
     layers.install()
     compiled.layers = layers
     compiled.grafter.report.offloaded = dict(

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .._dynamo import fresh_entry
+from .attention import is_causal_mask
 from .backend import CHECKPOINTED, LAYERS
 
 
@@ -65,6 +67,9 @@ class Offloader:
         self.pool: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> free pinned buffers
         self.calls: list[list[_Saved]] = []  # this step's layer calls, in forward order
         self.bytes = 0  # host bytes in use now
+        self.causal = True  # causal masks dropped from the layers' calls (Options.causal_attention)
+        self.mask_verdict: tuple = (None, lambda: None, False)  # (key, weak ref, causal) of the last mask
+        self.masks = [0, 0]  # masks checked: [causal, not causal]
         self.peak_bytes = 0
 
     def _stream(self, device: torch.device):
@@ -256,9 +261,27 @@ def _in_layers(path: str, entry, layer, *args, **kwargs):
 _TENSOR = object()  # where an output leaf is one of the checkpoint's tensors
 
 
+def _causal_mask_dropped(offloader, kwargs: dict) -> dict:
+    """The layer's call without its attention mask where that mask is the causal one (attention then
+    runs causal without reading it: transformers' SDPA path sets is_causal for a missing mask). The
+    mask reaches each layer's own graph as an input, where it cannot be proven causal; checked here
+    once per mask (one synchronization a step: every layer shares it)."""
+    mask = kwargs.get("attention_mask")
+    if not offloader.causal or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return kwargs
+    key = (id(mask), mask._version)
+    if offloader.mask_verdict[0] != key or offloader.mask_verdict[1]() is not mask:
+        with torch.no_grad():
+            ok = is_causal_mask(mask, mask.shape[-2], mask.shape[-1])
+        offloader.mask_verdict = (key, weakref.ref(mask), ok)
+        offloader.masks[0 if ok else 1] += 1
+    return {**kwargs, "attention_mask": None} if offloader.mask_verdict[2] else kwargs
+
+
 def _call(layer, run, offloader, *args, **kwargs):
     """A decoder layer's call in place of its forward: checkpointed with its input offloaded in a
     training call, else the compiled layer as it is."""
+    kwargs = _causal_mask_dropped(offloader, kwargs)
     if not (torch.is_grad_enabled() and layer.training):
         return run(*args, **kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))

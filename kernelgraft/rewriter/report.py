@@ -239,7 +239,9 @@ class RewriteReport:
         """The records of one kind of graph ("training", "evaluation" or "decoding"), as a report:
         those of the graphs the latest call of that kind ran (all of them before any such call)."""
         if capture not in CAPTURES and capture != "":
-            raise ValueError(f"kernelgraft: no kind of graph {capture!r}; the kinds are {', '.join(CAPTURES)}")
+            raise ValueError(
+                f"kernelgraft: no kind of graph {capture!r}; the kinds are {', '.join(CAPTURES)}"
+            )
         part = RewriteReport(graphs=self.graphs_by[capture] if self.graphs_by else self.graphs)
         ran = self.per_call.get(capture)
         for name in _RECORDS:
@@ -331,9 +333,10 @@ class RewriteReport:
         if len(kinds) <= 1:
             part = self.of(kinds[0]) if kinds else self
             return "\n".join(part._lines(part._headline()) + self._extras())
-        out = [f"kernelgraft: {self.graphs} graph(s), by kind: " + ", ".join(
-            f"{k} {self.graphs_by[k]}" for k in kinds
-        )]
+        out = [
+            f"kernelgraft: {self.graphs} graph(s), by kind: "
+            + ", ".join(f"{k} {self.graphs_by[k]}" for k in kinds)
+        ]
         for k in kinds:
             part = self.of(k)
             out += part._lines(f"{k or 'other'} graphs: " + part._headline().removeprefix("kernelgraft: "))
@@ -370,7 +373,9 @@ class RewriteReport:
                 f"linear layers reading one input: {len(fused)} of {len(self.projections)} group(s) "
                 "fused into one matmul each"
             )
-            out += _items(f"{r.module} ({', '.join(r.shapes)}): {r.reason}" for r in self.projections if not r.served)
+            out += _items(
+                f"{r.module} ({', '.join(r.shapes)}): {r.reason}" for r in self.projections if not r.served
+            )
         if self.tiles:
             done = [t for t in self.tiles if t.tiled]
             out.append(
@@ -393,6 +398,11 @@ class RewriteReport:
                 f"offloaded: the {o['layers']} layers of {o['path']} keep their inputs on the host "
                 f"(at most {o['offloader'].peak_bytes / 2**30:.2f} GiB so far) and run again in the backward"
             )
+            yes, no = o["offloader"].masks
+            if yes or no:
+                out.append(
+                    f"offloaded layers' attention masks: {yes} causal (attention runs causal without them), {no} kept"
+                )
         if self.stock_runs:
             out.append(f"calls that did not run what kernelgraft compiled ({len(self.stock_runs)}):")
             out += _items(self.stock_runs)

@@ -179,3 +179,19 @@ def test_memory_is_chosen_at_the_first_training_call_not_at_evaluation():
     assert mine.kernelgraft_report.memory is None
     mine(**b).loss.backward()
     assert mine.kernelgraft_report.memory.tokens == 24
+
+
+def test_a_causal_mask_is_checked_once_a_step_and_attention_runs_causal(monkeypatch):
+    import transformers.masking_utils as mu
+
+    # the full causal mask, as transformers builds it under compile in some releases: it reaches
+    # each layer's own graph as an input
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    assert layers_of(mine).offloader.masks == [1, 0]  # one check for both layers' calls
+    assert "offloaded layers' attention masks: 1 causal" in str(mine.kernelgraft_report)
+    kept = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True, causal_attention=False)
+    assert_ok(compare_models(kept, stock, batch(), compiled=False), names(stock))
+    assert layers_of(kept).offloader.masks == [0, 0]

@@ -48,8 +48,10 @@ from .tiled import LINEARS, MATMULS, NARROW, TILED, VIEWS, is_view, register, su
 TOKEN_FAMILIES = ("row", "lora")
 CASTS = {"to", "float", "half", "bfloat16", "double", "type_as"}
 COPIES = {"contiguous", "clone"}
+DROPOUTS = (torch.nn.functional.dropout, torch.dropout)
+SPLITS = (torch.chunk, torch.split)
 # nodes that alias their input: bytes counted once, at the value they view
-ALIASES = VIEWS | {"contiguous"}
+ALIASES = VIEWS | {"contiguous", "chunk", "split"}
 
 
 # ---- which nodes are token-wise -------------------------------------------------------------------
@@ -140,7 +142,13 @@ def _kind(n: fx.Node, spellings: dict) -> str | None:
             return "view"
         if _family_op(n, spellings) is not None:
             return "kernel"
+        if n.target in DROPOUTS and _no_dropout(n):
+            return "copy"
+        if n.target in SPLITS:
+            return "split"
     elif n.op == "call_method":
+        if n.target in {"chunk", "split"}:
+            return "split"
         if n.target in CASTS:
             return "cast"
         if n.target in COPIES:
@@ -153,6 +161,13 @@ def _kind(n: fx.Node, spellings: dict) -> str | None:
     if p is None:
         return None
     return "reduce" if p.kind == "reduction" else "elementwise"
+
+
+def _no_dropout(n: fx.Node) -> bool:
+    """A dropout that drops nothing (p = 0, or not training): the identity, no random numbers."""
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
+    return p == 0 or training is False
 
 
 def _args(n: fx.Node) -> list:
@@ -186,14 +201,15 @@ def _reads(n: fx.Node, bs: tuple, rank: int, kind: str) -> bool:
 
 def token_wise(n: fx.Node, spellings: dict) -> tuple | None:
     """(B, S) where node n is token-wise (module docstring), its output laid out [B, S, ...]; None
-    where it is not. A kernel op's call is judged by the outputs read (its getitems), which share it."""
+    where it is not. A call with several outputs (a kernel op's, a chunk) is judged by the outputs
+    read (its getitems), which share it."""
     if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        if _kind(n.args[0], spellings) == "kernel":
+        if _kind(n.args[0], spellings) in ("kernel", "split"):
             return token_wise(n.args[0], spellings)
     kind = _kind(n, spellings)
     if kind is None:
         return None
-    if kind == "kernel":
+    if kind in ("kernel", "split"):
         outs = list(n.users)
         if not outs or any(u.target is not operator.getitem for u in outs):
             return None
@@ -201,6 +217,10 @@ def token_wise(n: fx.Node, spellings: dict) -> tuple | None:
         if len(found) != 1 or None in found:
             return None
         (bs,) = found
+        if kind == "split":
+            x = example_value(n.args[0])
+            dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+            return bs if _tokens(x) == bs and type(dim) is int and dim % x.dim() >= 2 else None
         return bs if _reads(n, bs, example_value(outs[0]).dim(), kind) else None
     out = example_value(n)
     bs = _tokens(out)
@@ -326,10 +346,10 @@ def _aliases(n: fx.Node) -> bool:
     """n is a view of its first input (its bytes are that value's)."""
     if n.op == "call_method" and n.target in ALIASES:
         return True
-    if n.target is torch.reshape:
+    if n.target is torch.reshape or n.target in SPLITS:
         return True
     if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        return isinstance(example_value(n.args[0]), torch.Tensor)
+        return isinstance(example_value(n.args[0]), torch.Tensor) or _aliases(n.args[0])
     return (
         n.op == "call_method"
         and n.target in CASTS

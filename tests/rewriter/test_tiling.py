@@ -87,34 +87,47 @@ def test_lora_adapters_on_every_linear_by_the_rule():
     assert len(tiles) == 2 and all("lora.peft" in t.ops and "gated_mlp.silu" in t.ops for t in tiles)
 
 
-def _saved_shapes(model, b) -> list:
+def _saved_shapes(model, b) -> tuple[list, torch.Tensor]:
+    """The shapes of what a training step's forward saves for the backward, and its loss."""
     shapes = []
 
     def pack(t):
         shapes.append(tuple(t.shape))
         return t
 
+    model.zero_grad(set_to_none=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(**b).loss
     loss.backward()  # what the backward saves, making a tile again, lives one tile at a time
-    return shapes
+    return shapes, loss.detach()
 
 
-def test_a_tiled_regions_intermediates_are_not_saved_for_the_backward():
+def test_a_tiled_regions_intermediates_are_not_saved_and_only_weight_sums_change():
     stock = tiny_model("llama")
     cfg, S = stock.config, 24
     b = batch(S=S)
     wide = (2, S, cfg.intermediate_size)  # the MLP's gate, up and gated product
-    saved = {}
+    saved, loss, grads = {}, {}, {}
     for tile in (None, TILE):
         mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=tile, dynamic=False)
         mine(**b).loss.backward()  # captured outside the hooks
-        saved[tile] = _saved_shapes(mine, b)
+        saved[tile], loss[tile] = _saved_shapes(mine, b)
+        grads[tile] = {n: p.grad for n, p in mine.named_parameters()}
     assert saved[None].count(wide) >= 2 * cfg.num_hidden_layers, saved[None]
     assert wide not in saved[TILE], saved[TILE]
     # the region keeps its inputs: attention's output (heads split), the residual stream, the weights
     assert (2, S, cfg.num_attention_heads, cfg.head_dim) in saved[TILE]
     assert sum(map(_numel, saved[TILE])) < sum(map(_numel, saved[None]))
+    # each token computed as untiled: the same loss, and the same gradients of the weights outside
+    # the tiled regions (they read the token gradients the regions return); inside, only the sums
+    # over the tiles differ (judged by the rule above)
+    assert torch.equal(loss[TILE], loss[None])
+    tiled_modules = {m for t in mine.kernelgraft_report.tiles if t.tiled for m in t.modules}
+    outside = [n for n in grads[None] if n.rsplit(".", 1)[0] not in tiled_modules]
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight"} <= set(
+        outside
+    )
+    assert all(torch.equal(grads[TILE][n], grads[None][n]) for n in outside), outside
 
 
 def _numel(shape) -> int:

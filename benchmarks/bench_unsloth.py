@@ -124,8 +124,23 @@ def saved_model(spec: dict, folder: str, device: str = "cuda") -> str:
         model = AutoModelForCausalLM.from_config(config(spec)).to(torch.bfloat16)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
+    vocab = model.config.vocab_size
     del model
+    save_tokenizer(folder, vocab)
     return folder
+
+
+def save_tokenizer(folder: str, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` made-up tokens saved beside the model: Unsloth's loader reads
+    the folder's tokenizer (the benchmarks feed token ids and never tokenize text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab - 2)} | {"<unk>": vocab - 2, "<eos>": vocab - 1}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    fast.save_pretrained(folder)
 
 
 def qlora_model(folder: str, device_map="cuda", r: int = LORA_R, alpha: int = LORA_ALPHA):

@@ -19,7 +19,8 @@ from ..options import Options, with_options_help
 from . import memory as _memory
 from . import runs
 from .backend import DECODING, Grafter
-from .offload import OffloadedLayers
+from .offload import OffloadedLayers, no_cache_in_training, own_checkpointing, sharded
+from .offload import decodes as _decodes
 from .report import RewriteReport, graph_break_reasons
 
 
@@ -305,33 +306,16 @@ def _choose_memory(compiled, model, args, kwargs) -> None:
         _offload(compiled, model)
 
 
-@contextlib.contextmanager
-def _own_checkpointing(layers):
-    """Offloaded layers checkpoint themselves: Hugging Face's gradient checkpointing (which Trainer
-    turns on) is off for the call, so that each layer runs once in the forward and once again in the
-    backward, not twice."""
-    flags = [
-        (m, m.gradient_checkpointing) for m in layers.layers if getattr(m, "gradient_checkpointing", False)
-    ]
-    for m, _ in flags:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m, on in flags:
-            m.gradient_checkpointing = on
-
-
 def _run(compiled, model, *args, **kwargs):
     grafter = compiled.grafter
     training = model.training and torch.is_grad_enabled()
     if training and grafter.options.memory is not None and not compiled.memory_chosen:
         _choose_memory(compiled, model, args, kwargs)
     if training and compiled.layered is None:
-        compiled.layered = _sharded(model)
-    kwargs = _no_cache_in_training(model, kwargs, compiled.layers is not None or bool(compiled.layered))
+        compiled.layered = sharded(model)
+    kwargs = no_cache_in_training(model, kwargs, compiled.layers is not None or bool(compiled.layered))
     if compiled.layers is not None:
-        with _own_checkpointing(compiled.layers):
+        with own_checkpointing(compiled.layers):
             return _run_compiled(compiled, model, *args, **kwargs)
     return _run_compiled(compiled, model, *args, **kwargs)
 
@@ -361,41 +345,6 @@ def _run_compiled(compiled, model, *args, **kwargs):
 def _pow2(n: int) -> int:
     """The power of two at or above n (the recompile limits' factor changes only as models double)."""
     return 1 << max(0, n - 1).bit_length()
-
-
-def _no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:
-    """A training forward of a Hugging Face model whose layers are graphs of their own (`layered`:
-    offloaded layers, FSDP2's sharded ones) gets `use_cache=False` unless the call says otherwise, as
-    under gradient checkpointing: the cache a training step would fill is never read, and its update
-    makes each layer's code depend on the layer's index, so one graph per layer would be compiled
-    until dynamo's limit, and the rest run uncompiled. An explicit `use_cache` or a cache passed in
-    is kept."""
-    if (
-        not layered
-        or "use_cache" in kwargs
-        or _decodes(kwargs)
-        or not (model.training and torch.is_grad_enabled())
-    ):
-        return kwargs
-    config = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False) or not hasattr(config, "to_dict"):  # not a transformers config
-        return kwargs
-    return {**kwargs, "use_cache": False}
-
-
-def _sharded(model) -> bool:
-    """Whether FSDP2's fully_shard wrapped a module of `model` (its class is then FSDP<name>): each
-    such module's forward is a graph of its own."""
-    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
-
-
-def _decodes(kwargs) -> bool:
-    """A call that passes a KV cache (`past_key_values`, named `cache` in newer transformers): a
-    step of generate()'s decoding, its prompt included."""
-    return any(
-        v is not None and (k in ("past_key_values", "cache") or hasattr(v, "get_seq_length"))
-        for k, v in kwargs.items()
-    )
 
 
 # forwards that libraries put on a model to fuse its LM head with the loss themselves:

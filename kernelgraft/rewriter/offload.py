@@ -19,6 +19,7 @@ On a device without streams (the CPU) the copies are plain copies: the same path
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -298,3 +299,55 @@ def _call(layer, run, offloader, *args, **kwargs):
     anchor = torch.empty(0, requires_grad=True)
     outs = iter(_Checkpoint.apply(traced, offloader, spec, len(args), anchor, *flat))
     return pytree.tree_unflatten([next(outs) if v is _TENSOR else v for v in shape["leaves"]], shape["spec"])
+
+
+def no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:
+    """A training forward of a Hugging Face model whose layers are graphs of their own (`layered`:
+    offloaded layers, FSDP2's sharded ones) gets `use_cache=False` unless the call says otherwise, as
+    under gradient checkpointing: the cache a training step would fill is never read, and its update
+    makes each layer's code depend on the layer's index, so one graph per layer would be compiled
+    until dynamo's limit, and the rest run uncompiled. An explicit `use_cache` or a cache passed in
+    is kept."""
+    if (
+        not layered
+        or "use_cache" in kwargs
+        or decodes(kwargs)
+        or not (model.training and torch.is_grad_enabled())
+    ):
+        return kwargs
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False) or not hasattr(config, "to_dict"):  # not a transformers config
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
+def sharded(model) -> bool:
+    """Whether FSDP2's fully_shard wrapped a module of `model` (its class is then FSDP<name>): each
+    such module's forward is a graph of its own."""
+    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+@contextlib.contextmanager
+def own_checkpointing(layers):
+    """Offloaded layers checkpoint themselves: Hugging Face's gradient checkpointing (which Trainer
+    turns on) is off for the call, so that each layer runs once in the forward and once again in the
+    backward, not twice."""
+    flags = [
+        (m, m.gradient_checkpointing) for m in layers.layers if getattr(m, "gradient_checkpointing", False)
+    ]
+    for m, _ in flags:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m, on in flags:
+            m.gradient_checkpointing = on
+
+
+def decodes(kwargs) -> bool:
+    """A call that passes a KV cache (`past_key_values`, named `cache` in newer transformers): a
+    step of generate()'s decoding, its prompt included."""
+    return any(
+        v is not None and (k in ("past_key_values", "cache") or hasattr(v, "get_seq_length"))
+        for k, v in kwargs.items()
+    )

@@ -408,7 +408,7 @@ def context_rows(data: dict) -> list[list[str]]:
             for n in CONTEXT_AT:
                 got = "tokens_per_s_wall" in at.get(str(n), {})
                 cells.append(f"{{{p}/measurements/{n}/tokens_per_s_wall|n}}" if got else "-")
-            rows.append([row, mode, *cells])
+            rows.append([row, mode + (f" (run {r['run']})" if r.get("run") else ""), *cells])
     return rows
 
 
@@ -418,7 +418,10 @@ CONTEXT = {
     "its --min (4096 by default) until a step runs out of memory, then bisected to its --resolution (1024 by "
     "default); tok/s by wall time, peak "
     "`max_memory_allocated` (weights, optimizer state and step). Peers: every mode but kernelgraft's; "
-    "unsloth is Unsloth with its default offloaded gradient checkpointing.",
+    "unsloth is Unsloth with its default offloaded gradient checkpointing. A mode marked (run N) ran in the "
+    "file's Nth run (a GPU call of its own, which may land on another host of the same card): compare tok/s "
+    "only within one run; a peak does not depend on the host. The figure beside the file plots tok/s "
+    "against the context length per mode.",
     "optional": True,  # rendered once a run is published as benchmarks/results/context/<date>-context.json
     "files": {"c": "context/context"},
     "columns": [

@@ -7,9 +7,9 @@ instance, by a call that the model's captured graph does not trace into (a graph
 layer, as FSDP2's per-layer hooks make): the layer itself is compiled by the model's own backend,
 one graph for every layer. In a training call the layer runs through `_Checkpoint`:
 
-    forward   the layer under no_grad (its graph grafted as a training one); its input copied to a pinned host buffer on a stream of its
-              own (the next layers run meanwhile); the other inputs (position embeddings, masks),
-              which every layer shares, kept as they are
+    forward   the layer under no_grad (its graph grafted as a training one); its input copied to
+              a pinned host buffer on a stream of its own (the next layers run meanwhile); the
+              other inputs (position embeddings, masks), which every layer shares, kept as they are
     backward  the input fetched back (the previous layer's fetch started now: one layer ahead), the
               layer run again with gradients, its backward run; parameters' gradients accumulate as
               in any backward
@@ -53,7 +53,6 @@ class _Saved:
     kept: torch.Tensor | None
     device: torch.device
     requires_grad: bool
-    copied: object = None  # the event the copy to the host recorded (CUDA)
     fetched: torch.Tensor | None = None  # the copy back, started by the prefetch
     ready: object = None  # the event the copy back recorded (CUDA)
 
@@ -94,9 +93,7 @@ class Offloader:
         else:
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
-                saved.host.copy_(t, non_blocking=True)
-                saved.copied = torch.cuda.Event()
-                saved.copied.record(stream)
+                saved.host.copy_(t, non_blocking=True)  # the fetch back runs after it, on this stream
             t.record_stream(stream)  # t's memory is not reused before the copy has read it
         self.bytes += saved.host.numel() * saved.host.element_size()
         self.peak_bytes = max(self.peak_bytes, self.bytes)
@@ -135,17 +132,14 @@ class Offloader:
         self.bytes -= saved.host.numel() * saved.host.element_size()
         saved.host = saved.fetched = None
 
-    def previous(self, call: list[_Saved]) -> list[_Saved] | None:
-        """The layer call made before `call` in this step's forward (its backward runs next)."""
-        for i, c in enumerate(self.calls):
-            if c is call:
+    def done(self, call: list[_Saved]) -> list[_Saved] | None:
+        """Forget `call` (its backward has its inputs) and return the layer call made before it in
+        this step's forward, whose backward runs next. Backwards run in reverse: searched from the end."""
+        for i in range(len(self.calls) - 1, -1, -1):
+            if self.calls[i] is call:
+                del self.calls[i]
                 return self.calls[i - 1] if i > 0 else None
         return None
-
-    def forget(self, call: list[_Saved]) -> None:
-        for s in call:
-            self.release(s)
-        self.calls = [c for c in self.calls if c is not call]
 
 
 def _offloaded(t: torch.Tensor, first: bool) -> bool:
@@ -158,7 +152,7 @@ def _offloaded(t: torch.Tensor, first: bool) -> bool:
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, offloader, spec, n_args, anchor, *flat):
-        ctx.run, ctx.offloader, ctx.spec, ctx.n_args = run, offloader, spec, n_args
+        ctx.run, ctx.offloader, ctx.spec = run, offloader, spec
         args, kwargs = pytree.tree_unflatten(list(flat), spec)
         mark = CHECKPOINTED.set(True)  # grafted as a training graph: the kernels the backward runs again
         try:
@@ -176,8 +170,7 @@ class _Checkpoint(torch.autograd.Function):
                 saved.append(None)
         ctx.saved = saved
         offloader.calls.append(saved)
-        flat_out, ctx.out_spec = pytree.tree_flatten(out)
-        ctx.out_tensors = [isinstance(o, torch.Tensor) for o in flat_out]
+        flat_out = pytree.tree_leaves(out)
         ctx.flat_values = [None if isinstance(x, torch.Tensor) else x for x in flat]
         return tuple(o for o in flat_out if isinstance(o, torch.Tensor))
 
@@ -191,8 +184,7 @@ class _Checkpoint(torch.autograd.Function):
                 continue
             t = off.fetch(s).detach()
             inputs.append(t.requires_grad_(s.requires_grad))
-        before = off.previous(saved)
-        off.forget(saved)
+        before = off.done(saved)  # every input of this call was fetched above: its buffers are free
         if before is not None:  # the next backward's input comes back while this layer runs again
             for s in before:
                 if s is not None:

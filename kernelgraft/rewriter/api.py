@@ -266,9 +266,8 @@ def _restore(obj, state) -> None:
 
 
 def _call(compiled, model, *args, **kwargs):
-    if (
-        torch.compiler.is_dynamo_compiling()
-    ):  # an outer torch.compile traces this call (this thread's): run it as is
+    # an outer torch.compile traces this call (this thread's): run it as is
+    if torch.compiler.is_dynamo_compiling():
         return _nested(compiled, model, *args, **kwargs)
     return _run(compiled, model, *args, **kwargs)
 

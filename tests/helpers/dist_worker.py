@@ -9,6 +9,7 @@ ddp-lora: a tiny Llama with peft's LoRA on every linear layer under DDP (the ada
 """
 
 import copy
+import faulthandler
 import os
 import sys
 
@@ -35,9 +36,29 @@ def wrap(model, how):
     return fully_shard(model)
 
 
+# a worker still running after this many seconds prints every thread's stack and exits, so that a
+# hung collective fails its test with where it hung (the tests wait 900 s)
+WATCHDOG_S = 480
+
+
+def watch():
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+
+
 def start(rank, world, port):
+    watch()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def leave():
+    """Every rank leaves together and the process ends without Python's teardown: destroying a gloo
+    group now and then hangs, and gloo's threads can abort a normal exit."""
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def failures(truth, eager, mine) -> tuple[list[str], int]:
@@ -88,7 +109,7 @@ def run(rank, world, how, port):
     # one write of the whole line: the two ranks share the pipe, and print() writes the text and its
     # newline separately (seen interleaved as "...served 12rank 0 ok ...")
     os.write(sys.stdout.fileno(), line.encode())
-    dist.destroy_process_group()
+    leave()
 
 
 def run_recompute(port):
@@ -170,7 +191,7 @@ def run_recompute(port):
     fused = sum(r.served for r in mine.kernelgraft_report.projections)
     pieces = sum(c.get("pieces", 0) for c in mine.kernelgraft_report.ddp_cuts)
     print(f"projections fused {fused} ddp grads {'ok' if not bad else 'FAIL ' + '; '.join(bad)} pieces {pieces}", flush=True)
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ FSDP = dict(
 
 
 def main(out: str, how: str):
-    from dist_worker import wrap
+    from dist_worker import leave, watch, wrap
     from tiny import tiny_model, whole
     from trainer_helpers import make_trainer, wrapping
 
     import kernelgraft
 
+    watch()
     if how not in ("ddp", "fsdp2"):
         raise SystemExit(f"trainer_worker.py: unknown wrapper {how!r}; pass ddp or fsdp2")
     if how == "fsdp2":
@@ -63,11 +64,7 @@ def main(out: str, how: str):
     if int(os.environ.get("RANK", "0")) == 0:
         runs["world_size"] = int(os.environ["WORLD_SIZE"])
         torch.save(runs, out)
-    # both ranks leave together, the process group shut down (a rank exiting while gloo's threads
-    # still run can abort with "terminate called without an active exception")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on one)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):  # a marker, not the folder (tests/gpu is also a keyword)
             item.add_marker(skip)
 
 

@@ -22,13 +22,15 @@ class _Config:
 
 
 class _Item:
-    keywords = {"gpu": True}  # kept as they are on a machine with or without CUDA
+    def __init__(self, i, marked=True, keywords=("gpu",)):
+        self.i, self.marked, self.added = i, marked, []
+        self.keywords = dict.fromkeys(keywords, True)
 
-    def __init__(self, i):
-        self.i = i
+    def get_closest_marker(self, name):
+        return pytest.mark.gpu.mark if name == "gpu" and self.marked else None
 
     def add_marker(self, marker):
-        pass
+        self.added.append(marker)
 
 
 @pytest.mark.parametrize("n_items, n", [(126, 3), (10, 4), (3, 5), (1, 1)])
@@ -48,3 +50,12 @@ def test_the_parts_select_every_test_once(n_items, n):
 def test_a_malformed_part_says_what_it_wants(spec):
     with pytest.raises(pytest.UsageError, match="K/N"):
         pytest_collection_modifyitems(_Config(spec), [_Item(0)])
+
+
+def test_without_cuda_only_tests_marked_gpu_are_skipped(monkeypatch):
+    # a test in tests/gpu has "gpu" among its keywords (the folder) without the marker: it runs
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    marked, in_the_folder, plain = _Item(0), _Item(1, marked=False), _Item(2, marked=False, keywords=())
+    pytest_collection_modifyitems(_Config(None), [marked, in_the_folder, plain])
+    assert [m.name for m in marked.added] == ["skip"]
+    assert in_the_folder.added == [] and plain.added == []

@@ -321,7 +321,7 @@ def static_launches():
             if kernel is None:
                 return result
             return static(kernel, result.config, result.compile_meta, result.inductor_meta)
-        except Exception:  # noqa: BLE001 - not as this torch builds it: Triton's launcher, as before
+        except Exception:  # noqa: BLE001 - a launcher this torch cannot make statically keeps Triton's own
             return result
 
     # swapped where the launchers are made from the compiled results: after a worker compiled them

@@ -19,7 +19,7 @@ from ..options import Options, with_options_help
 from . import memory as _memory
 from . import runs
 from .backend import DECODING, Grafter
-from .offload import OffloadedLayers, no_cache_in_training, own_checkpointing, sharded
+from .offload import OffloadedLayers, layer_stacks, no_cache_in_training, own_checkpointing, sharded
 from .offload import decodes as _decodes
 from .report import RewriteReport, graph_break_reasons
 
@@ -272,11 +272,11 @@ def _call(compiled, model, *args, **kwargs):
     return _run(compiled, model, *args, **kwargs)
 
 
-def _offload(compiled, model) -> None:
-    """Offloaded layers for `model`, each compiled by the model's own backend (Options.offload)."""
-    layers = OffloadedLayers(
-        model, lambda forward: torch.compile(forward, backend=compiled.grafter, dynamic=compiled.dynamic)
-    )
+def _offload(compiled, model, rejected: dict | None = None) -> None:
+    """Offloaded layers for `model`, each compiled by the model's own backend (Options.offload);
+    the candidates in `rejected` passed over."""
+    compile_layer = functools.partial(torch.compile, backend=compiled.grafter, dynamic=compiled.dynamic)
+    layers = OffloadedLayers(model, compile_layer, rejected)
     layers.offloader.causal = compiled.grafter.options.causal_attention
     layers.install()
     compiled.layers = layers
@@ -285,11 +285,42 @@ def _offload(compiled, model) -> None:
     )
 
 
+def _not_offloaded(compiled, model) -> None:
+    """The offloaded stack's first training call showed it is not the model's layers: the next
+    candidate is offloaded from the next call on, or where there is none the model runs without
+    offload (an error where offload=True was asked for); the model is captured anew either way,
+    and the report says what was passed over and why."""
+    layers, rep = compiled.layers, compiled.grafter.report
+    layers.remove()
+    rejected = {**layers.rejected, layers.path: layers.offloader.not_a_stack}
+    compiled.layers, rep.offloaded = None, {}
+    compiled.fn = compiled._entry()  # the layers' calls were graph breaks of the model's capture
+    rep.forget_captures()
+    note = (
+        f"offload: {layers.path} ({len(layers.layers)} {type(layers.layers[0]).__name__}) is not the model's "
+        f"layer stack: its first training call {layers.offloader.not_a_stack}"
+    )
+    try:
+        _offload(compiled, model, rejected)
+    except ValueError:
+        if compiled.grafter.options.offload:
+            raise
+        note += "; no other stack: the model runs without offload"
+        if rep.memory is not None and rep.memory.offload:
+            rep.memory.offload = False
+            rep.memory.why.append("Not offloaded after all: the model has no layer stack (see the notes).")
+    else:
+        note += f"; {compiled.layers.path} is offloaded instead"
+    rep.notes.append(note)
+
+
 def _choose_memory(compiled, model, args, kwargs) -> None:
-    """Options.memory's levers, from the first training call's tokens (memory.choose)."""
+    """Options.memory's levers, from the first training call's tokens (memory.choose); offload only
+    where the model has a layer stack."""
     grafter = compiled.grafter
     found = _memory.call_shape(args, kwargs)
-    choice = _memory.choose(model, grafter.options, *found) if found else None
+    no_stack = layer_stacks(model)[1] if compiled.layers is None else ""
+    choice = _memory.choose(model, grafter.options, *found, no_stack=no_stack) if found else None
     compiled.memory_chosen = True
     if choice is None:
         model.kernelgraft_report.notes.append(
@@ -315,7 +346,10 @@ def _run(compiled, model, *args, **kwargs):
     kwargs = no_cache_in_training(model, kwargs, compiled.layers is not None or bool(compiled.layered))
     if compiled.layers is not None:
         with own_checkpointing(compiled.layers):
-            return _run_compiled(compiled, model, *args, **kwargs)
+            out = _run_compiled(compiled, model, *args, **kwargs)
+        if compiled.layers.offloader.not_a_stack:
+            _not_offloaded(compiled, model)
+        return out
     return _run_compiled(compiled, model, *args, **kwargs)
 
 

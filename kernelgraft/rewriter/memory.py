@@ -12,6 +12,7 @@ Levers, cheapest first, each taken only where the step does not fit without it:
 
     nothing       the step fits: the defaults run (no slowdown on rows that fit)
     offload       each layer keeps only its input, on the host: one layer's activations on the device
+                  (where the model has a layer stack: offload.layer_stacks)
     tile_tokens   the token-wise regions run over tiles of the sequence: the MLP's intermediates are
                   one tile's (a tile is at least MIN_TILE positions)
     lm_head       the fused head's share of what is left (`lm_head_memory`)
@@ -106,9 +107,12 @@ def _activation_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def choose(model, options, batch: int, seq: int, device: torch.device) -> MemoryChoice | None:
+def choose(
+    model, options, batch: int, seq: int, device: torch.device, no_stack: str = ""
+) -> MemoryChoice | None:
     """The levers for a step of `batch` sequences of `seq` tokens under options.memory; None where
-    the model's config gives no decoder shape (the report says so instead)."""
+    the model's config gives no decoder shape (the report says so instead). `no_stack`: why the
+    model has no layer stack to offload ("": it has one); the other levers are chosen then."""
     tokens = batch * seq
     cfg = _config(model)
     if cfg is None:
@@ -126,7 +130,13 @@ def choose(model, options, batch: int, seq: int, device: torch.device) -> Memory
     if plain <= room:
         why.append("The step fits: no lever is needed.")
         return MemoryChoice(budget / GiB, tokens, plain / GiB, bool(offload), tile, lm_head, why)
-    if offload is None:
+    if offload is None and no_stack:
+        offload = False
+        why.append(
+            f"Not offloaded, though {L} layers' activations ({L * per_layer / GiB:.1f} GiB) exceed the "
+            f"budget: the model has no layer stack to offload ({no_stack})."
+        )
+    elif offload is None:
         offload = True
         why.append(f"Offloaded: {L} layers' activations ({L * per_layer / GiB:.1f} GiB) exceed the budget.")
     else:

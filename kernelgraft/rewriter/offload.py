@@ -1,19 +1,25 @@
 """Offloaded activations: each decoder layer of a training step keeps only its input for the
 backward, in pinned host memory, and runs again in the backward (Options.offload).
 
-A model's decoder layers are the largest `nn.ModuleList` of one class (every Hugging Face decoder
-keeps them so: `model.layers`, `transformer.h`...). Each layer's `forward` is replaced, on the
-instance, by a call that the model's captured graph does not trace into (a graph break at each
-layer, as FSDP2's per-layer hooks make): the layer itself is compiled by the model's own backend,
-one graph for every layer. In a training call the layer runs through `_Checkpoint`:
+A model's decoder layers are its layer stack: the `nn.ModuleList` or `nn.Sequential` of one class
+with the most parameters, of the length its config gives where it gives one (every Hugging Face
+decoder keeps them so: `model.layers`, `transformer.h`...), whose first training call returns its
+hidden states in their shape; a stack that does not is passed over for the next (api.py), and the
+report says so. Each layer's `forward` is replaced, on the instance, by a call that the model's
+captured graph does not trace into (a graph break at each layer, as FSDP2's per-layer hooks make):
+the layer itself is compiled by the model's own backend, one graph for every layer. In a training
+call the layer runs through `_Checkpoint`:
 
     forward   the layer under no_grad (its graph grafted as a training one); its input copied to
               a pinned host buffer on a stream of its own (the next layers run meanwhile); the
-              other inputs (position embeddings, masks), which every layer shares, kept as they are
+              other inputs (position embeddings, masks), which every layer shares, kept as they are;
+              the random generators' states and autocast's noted
     backward  the input fetched back (the previous layer's fetch started now: one layer ahead), the
-              layer run again with gradients, its backward run; parameters' gradients accumulate as
-              in any backward
+              layer run again with gradients from the generators' states the forward noted, under its
+              autocast, its backward run; parameters' gradients accumulate as in any backward
 
+A call's host buffers belong to its autograd node: they go back to the pool when its backward has
+fetched them, or when the graph is freed without one (a loss only logged, a forward that raised).
 On a device without streams (the CPU) the copies are plain copies: the same path, run in order.
 """
 
@@ -32,17 +38,50 @@ from .attention import is_causal_mask
 from .backend import CHECKPOINTED, LAYERS
 
 
-def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
-    """(path, list) of the model's decoder layers: the `nn.ModuleList` of two or more modules of one
-    class holding the most parameters; None where the model has none."""
-    best, size = None, 0
+def layer_stacks(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], str]:
+    """The containers that may be the model's decoder layer stack, best first, and where there is
+    none, why. A candidate is an `nn.ModuleList` or `nn.Sequential` of two or more modules of one
+    class; where the model's config gives its number of layers, only a candidate that long (a vision
+    tower's layers, a layer's experts or a model's output heads are other lists); the most
+    parameters first. What its first training call returns decides (`_not_a_layer`)."""
+    count, found, other = layer_count(model), [], []
     for path, m in model.named_modules():
-        if not isinstance(m, torch.nn.ModuleList) or len(m) < 2 or len({type(c) for c in m}) != 1:
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) or len(m) < 2:
             continue
-        n = sum(p.numel() for p in m.parameters())
-        if n > size:
-            best, size = (path, m), n
-    return best
+        kinds = {type(c) for c in m}
+        if len(kinds) != 1 or issubclass(type(m[0]), (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue  # modules of several classes, or lists that no call runs
+        size = sum(p.numel() for p in m.parameters())
+        (found if count is None or len(m) == count else other).append((-size, path or "<top>", m))
+    found.sort(key=lambda f: f[0])  # stable: of equal sizes, the first in the model
+    if found:
+        return [(path, m) for _, path, m in found], ""
+    if other:
+        lists = ", ".join(f"{path} ({len(m)} {type(m[0]).__name__})" for _, path, m in other)
+        return [], f"{lists}: not the {count} layers its config gives"
+    return [], "no nn.ModuleList or nn.Sequential holds modules of one class"
+
+
+def layer_count(model: torch.nn.Module) -> int | None:
+    """The number of decoder layers the model's (text) config gives; None where it gives none."""
+    cfg = getattr(model, "config", None)
+    text = getattr(cfg, "get_text_config", None)
+    cfg = text() if callable(text) else cfg
+    for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        try:
+            value = getattr(cfg, name, None)
+        except (AttributeError, RuntimeError):  # a per-layer attribute a heterogeneous config refuses
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """(path, container) of the model's decoder layers, as `layer_stacks` ranks them first; None
+    where the model has none."""
+    stacks, _ = layer_stacks(model)
+    return stacks[0] if stacks else None
 
 
 @dataclasses.dataclass
@@ -65,12 +104,14 @@ class Offloader:
     def __init__(self):
         self.stream = None
         self.pool: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> free pinned buffers
-        self.calls: list[list[_Saved]] = []  # this step's layer calls, in forward order
+        self.calls: list[weakref.ref] = []  # the live graphs' layer calls (_Call), in forward order
         self.bytes = 0  # host bytes in use now
         self.causal = True  # causal masks dropped from the layers' calls (Options.causal_attention)
         self.mask_verdict: tuple = (None, lambda: None, False)  # (key, weak ref, causal) of the last mask
         self.masks = [0, 0]  # masks checked: [causal, not causal]
         self.peak_bytes = 0
+        # why the stack is not the model's layers, from its first training call ("": it is; None: no call yet)
+        self.not_a_stack: str | None = None
 
     def _stream(self, device: torch.device):
         if device.type != "cuda":
@@ -132,14 +173,38 @@ class Offloader:
         self.bytes -= saved.host.numel() * saved.host.element_size()
         saved.host = saved.fetched = None
 
-    def done(self, call: list[_Saved]) -> list[_Saved] | None:
-        """Forget `call` (its backward has its inputs) and return the layer call made before it in
-        this step's forward, whose backward runs next. Backwards run in reverse: searched from the end."""
+    def track(self, saved: list, first: bool) -> _Call:
+        """The owner of one layer call's saved inputs, for its autograd node to hold: when the graph
+        that holds the node is freed (its backward ran, or it never will) the buffers come back."""
+        call = _Call(saved, first)
+        self.calls.append(weakref.ref(call, lambda ref: self._forget(ref, saved)))
+        return call
+
+    def _forget(self, ref, saved: list) -> None:
+        self.calls[:] = [r for r in self.calls if r is not ref]
+        for s in saved:
+            self.release(s)
+
+    def done(self, call: _Call) -> _Call | None:
+        """Forget `call` (its backward has its inputs) and return the live layer call made before it
+        in the same forward, whose backward runs next (None after the stack's first layer). Backwards
+        run in reverse: searched from the end."""
         for i in range(len(self.calls) - 1, -1, -1):
-            if self.calls[i] is call:
+            if self.calls[i]() is call:
                 del self.calls[i]
-                return self.calls[i - 1] if i > 0 else None
+                before = (r() for r in reversed(self.calls[:i]))
+                return None if call.first else next((c for c in before if c is not None), None)
         return None
+
+
+class _Call:
+    """One layer call's saved inputs (a `_Saved` or None per flattened input), owned by its autograd
+    node only: `Offloader.calls` holds it weakly."""
+
+    __slots__ = ("saved", "first", "__weakref__")
+
+    def __init__(self, saved: list, first: bool):
+        self.saved, self.first = saved, first
 
 
 def _offloaded(t: torch.Tensor, first: bool) -> bool:
@@ -151,9 +216,12 @@ def _offloaded(t: torch.Tensor, first: bool) -> bool:
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, offloader, spec, n_args, anchor, *flat):
+    def forward(ctx, run, offloader, spec, n_args, first, anchor, *flat):
         ctx.run, ctx.offloader, ctx.spec = run, offloader, spec
         args, kwargs = pytree.tree_unflatten(list(flat), spec)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        # what the recompute must run under to redo this forward: its dropout's draws, its autocast
+        ctx.rng, ctx.autocast = _rng_state(tensors), _autocast_state(tensors)
         mark = CHECKPOINTED.set(True)  # grafted as a training graph: the kernels the backward runs again
         try:
             with torch.no_grad():
@@ -168,50 +236,81 @@ class _Checkpoint(torch.autograd.Function):
                 saved.append(_Saved(None, x, x.device, x.requires_grad))
             else:
                 saved.append(None)
-        ctx.saved = saved
-        offloader.calls.append(saved)
+        ctx.call = offloader.track(saved, first)
         flat_out = pytree.tree_leaves(out)
         ctx.flat_values = [None if isinstance(x, torch.Tensor) else x for x in flat]
         return tuple(o for o in flat_out if isinstance(o, torch.Tensor))
 
     @staticmethod
     def backward(ctx, *grads):
-        off, saved = ctx.offloader, ctx.saved
+        off, call = ctx.offloader, ctx.call
         inputs = []
-        for s, value in zip(saved, ctx.flat_values):
+        for s, value in zip(call.saved, ctx.flat_values):
             if s is None:
                 inputs.append(value)
                 continue
             t = off.fetch(s).detach()
             inputs.append(t.requires_grad_(s.requires_grad))
-        before = off.done(saved)  # every input of this call was fetched above: its buffers are free
+        before = off.done(call)  # every input of this call was fetched above: its buffers are free
         if before is not None:  # the next backward's input comes back while this layer runs again
-            for s in before:
+            for s in before.saved:
                 if s is not None:
                     off.prefetch(s)
         args, kwargs = pytree.tree_unflatten(inputs, ctx.spec)
-        with torch.enable_grad():
-            out = ctx.run(*args, **kwargs)
+        devices, states = ctx.rng
+        # the global generators go on after the backward as if the layer had not run again
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(states[0])
+            for d, state in zip(devices, states[1:]):
+                torch.cuda.set_rng_state(state, d)
+            with contextlib.ExitStack() as casts, torch.enable_grad():
+                for device_type, kw in ctx.autocast:
+                    casts.enter_context(torch.autocast(device_type, **kw))
+                out = ctx.run(*args, **kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads_in = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return (None, None, None, None, None, *grads_in)
+        return (None, None, None, None, None, None, *grads_in)
+
+
+def _rng_state(tensors) -> tuple[list[int], list[torch.Tensor]]:
+    """(CUDA devices, [the CPU generator's state, then each device's]): the generators a layer whose
+    tensors are on those devices draws from (as torch.utils.checkpoint saves them)."""
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    return devices, [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def _autocast_state(tensors) -> list[tuple[str, dict]]:
+    """Autocast as it is now on the CPU and on each device type of `tensors`: the arguments of
+    torch.autocast that re-enter it."""
+    return [
+        (dt, dict(enabled=torch.is_autocast_enabled(dt), dtype=torch.get_autocast_dtype(dt),
+                  cache_enabled=torch.is_autocast_cache_enabled()))
+        for dt in sorted({"cpu", *(t.device.type for t in tensors)})
+        if torch.amp.is_autocast_available(dt)
+    ]  # fmt: skip
 
 
 class OffloadedLayers:
-    """The model's decoder layers, each called through `_layer_call` (installed by `install`,
-    undone by `remove`)."""
+    """The model's decoder layers, each called through `_call` (installed by `install`, undone by
+    `remove`). `rejected`: the paths of candidates whose first training call showed they are not
+    the stack (path -> why), passed over."""
 
-    def __init__(self, model: torch.nn.Module, compile_layer):
-        found = decoder_layers(model)
-        if found is None:
+    def __init__(self, model: torch.nn.Module, compile_layer, rejected: dict | None = None):
+        self.rejected = dict(rejected or {})
+        stacks, why = layer_stacks(model)
+        stacks = [s for s in stacks if s[0] not in self.rejected]
+        if not stacks:
+            shown = [f"{path}: its first training call {reason}" for path, reason in self.rejected.items()]
+            why = "; ".join(shown) or why
             raise ValueError(
-                f"kernelgraft: offload=True needs decoder layers (an nn.ModuleList of one class) in "
-                f"{type(model).__name__}, and found none: leave offload at None or False for this model"
+                f"kernelgraft: offload=True needs decoder layers (an nn.ModuleList or nn.Sequential of one "
+                f"class, each layer's output the shape of its input) in {type(model).__name__}, and found "
+                f"none: {why}. Leave offload at None or False for this model"
             )
-        self.path, self.layers = found
+        self.path, self.layers = stacks[0]
         self.offloader = Offloader()
         self.compile_layer = compile_layer
         self.calls: list = []  # each layer's call, made once (each holds its compiled forward)
@@ -231,7 +330,8 @@ class OffloadedLayers:
             for layer in self.layers:
                 run = functools.partial(_in_layers, f"{self.path}.*", entry, layer)
                 # the model's graph breaks here: the layer runs its own compiled graph, checkpointed
-                self.calls.append(torch._dynamo.disable(functools.partial(_call, layer, run, self.offloader)))
+                call = functools.partial(_call, layer, run, self.offloader, layer is self.layers[0])
+                self.calls.append(torch._dynamo.disable(call))
         for layer, call in zip(self.layers, self.calls):
             layer.forward = call
         self.installed = True
@@ -271,11 +371,13 @@ def _causal_mask_dropped(offloader, kwargs: dict) -> dict:
     return {**kwargs, "attention_mask": None} if offloader.mask_verdict[2] else kwargs
 
 
-def _call(layer, run, offloader, *args, **kwargs):
+def _call(layer, run, offloader, first, *args, **kwargs):
     """A decoder layer's call in place of its forward: checkpointed with its input offloaded in a
-    training call, else the compiled layer as it is."""
+    training call, else the compiled layer as it is. `first`: the stack's first layer, whose call
+    starts a forward."""
     kwargs = _causal_mask_dropped(offloader, kwargs)
-    if not (torch.is_grad_enabled() and layer.training):
+    # a stack its first training call showed is none runs as it is, until the model's call is done
+    if not (torch.is_grad_enabled() and layer.training) or offloader.not_a_stack:
         return run(*args, **kwargs)
     flat, spec = pytree.tree_flatten((args, kwargs))
     shape = {}
@@ -289,8 +391,24 @@ def _call(layer, run, offloader, *args, **kwargs):
     # the anchor needs a gradient, so the outputs do where the layer's input does not (a LoRA model's
     # first layer reads frozen embeddings): its parameters' gradients come from the backward's run
     anchor = torch.empty(0, requires_grad=True)
-    outs = iter(_Checkpoint.apply(traced, offloader, spec, len(args), anchor, *flat))
-    return pytree.tree_unflatten([next(outs) if v is _TENSOR else v for v in shape["leaves"]], shape["spec"])
+    outs = iter(_Checkpoint.apply(traced, offloader, spec, len(args), first, anchor, *flat))
+    out = pytree.tree_unflatten([next(outs) if v is _TENSOR else v for v in shape["leaves"]], shape["spec"])
+    if offloader.not_a_stack is None:
+        offloader.not_a_stack = _not_a_layer(args, kwargs, out)
+    return out
+
+
+def _not_a_layer(args, kwargs, out) -> str:
+    """Why a call's module is not a decoder layer (its hidden states, the first positional tensor or
+    `hidden_states`, come out in another shape, as an output head's logits do); "" where it is."""
+    given = [*args[:1], kwargs.get("hidden_states")]
+    hidden = next((t for t in given if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    made = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    if hidden is None or made is None:
+        return "takes or returns no hidden states (a floating point tensor, first or as hidden_states)"
+    if made.shape != hidden.shape:
+        return f"returns {list(made.shape)} for hidden states of {list(hidden.shape)}"
+    return ""
 
 
 def no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:

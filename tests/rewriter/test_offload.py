@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from checks import assert_ok
-from tiny import batch, compare_models, tiny_model
+from tiny import batch, compare_models, tiny_config, tiny_model
 
 import kernelgraft
 from kernelgraft.rewriter.offload import decoder_layers
@@ -195,3 +195,108 @@ def test_a_causal_mask_is_checked_once_a_step_and_attention_runs_causal(monkeypa
     kept = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True, causal_attention=False)
     assert_ok(compare_models(kept, stock, batch(), compiled=False), names(stock))
     assert layers_of(kept).offloader.masks == [0, 0]
+
+
+def tiny_jamba():
+    """A tiny Jamba: its decoder layers are of two classes (Mamba and attention), so it has no stack
+    of one class."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config("jamba")
+    cfg.attn_layer_period, cfg.attn_layer_offset = 2, 1  # of the 2 layers, the second attends
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_a_budget_offloads_nothing_in_a_model_without_a_layer_stack():
+    stock = tiny_jamba()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=0.001)
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    choice = mine.kernelgraft_report.memory
+    assert not choice.offload and layers_of(mine) is None and choice.lm_head_memory == "min"
+    assert "Not offloaded" in str(choice) and "no layer stack" in str(mine.kernelgraft_report)
+    # offload asked for by name is refused at once, saying why
+    with pytest.raises(ValueError, match="needs decoder layers .* JambaForCausalLM.* of one class"):
+        kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class Wide(Block):
+    def forward(self, x):
+        return x + torch.sigmoid(self.fc(self.norm(x)))
+
+
+class TwoHeads(torch.nn.Module):
+    """Blocks, then two output heads in a ModuleList that hold more parameters than the blocks; the
+    loss the sum of both heads'. `mixed`: the blocks of two classes in a ModuleList, with a config
+    that counts 2 layers (the heads are then the only one-class list as long as it says)."""
+
+    def __init__(self, d: int = 16, vocab: int = 128, mixed: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, d)
+        if mixed:
+            import types
+
+            self.config = types.SimpleNamespace(hidden_size=d, num_hidden_layers=2, vocab_size=vocab)
+            self.blocks = torch.nn.ModuleList([Block(d), Wide(d)])
+        else:
+            self.blocks = torch.nn.Sequential(*(Block(d) for _ in range(3)))
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(d, vocab) for _ in range(2))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        loss = torch.nn.functional.cross_entropy
+        return sum(loss(head(h).flatten(0, 1), ids.flatten()) for head in self.heads)
+
+
+def train_like(mine, stock, steps: int = 2):
+    """Each step's loss and gradients of `mine` as the stock model's, by relative error."""
+    ids = batch()["input_ids"]
+    for _ in range(steps):
+        for m in (mine, stock):
+            m.zero_grad(set_to_none=True)
+            m(ids).backward()
+        for (n, p), q in zip(mine.named_parameters(), stock.parameters()):
+            assert (p.grad - q.grad).norm() <= 1e-5 * q.grad.norm(), n
+
+
+def test_the_blocks_of_a_sequential_are_offloaded_not_the_heads_beside_them():
+    stock = TwoHeads()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+    train_like(mine, stock)
+    # the heads hold the most parameters: their first call showed that they are not layers
+    rep = mine.kernelgraft_report
+    assert layers_of(mine).path == "blocks" and rep.offloaded["layers"] == 3
+    assert layers_of(mine).offloader.peak_bytes == 3 * 2 * 12 * 16 * 4
+    assert rep.notes == [
+        "offload: heads (2 Linear) is not the model's layer stack: its first training call returns "
+        "[2, 12, 128] for hidden states of [2, 12, 16]; blocks is offloaded instead"
+    ]
+
+
+def test_heads_are_not_offloaded_as_layers():
+    stock = TwoHeads(mixed=True)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=1e-6)
+    train_like(mine, stock)
+    rep = mine.kernelgraft_report
+    assert layers_of(mine) is None and not rep.offloaded and not rep.memory.offload
+    said = str(rep)
+    assert "heads (2 Linear) is not the model's layer stack" in said and "runs without offload" in said
+    assert "Not offloaded after all" in str(rep.memory)
+    # asked for by name: a clear error at the first training call
+    asked = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
+    refused = r"heads: its first training call returns \[2, 12, 128\] for hidden .* Leave offload"
+    with pytest.raises(ValueError, match=refused):
+        asked(batch()["input_ids"])
+    train_like(asked, stock, steps=1)  # and the model trains on, without offload

@@ -7,8 +7,24 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # test processes (pytest-xdist): the default suite takes about 14-15 min in two on a 2-core machine
 TEST_WORKERS ?= 2
+# The GPU tests in two tiers, each part fitting a 10-minute command on one GPU. gpu-test: every test
+# marked gpu once, the default hypothesis profile, GPU_WORKERS pytest processes sharing the GPU.
+GPU_WORKERS ?= 4
+# gpu-test-thorough PART=K (or K/N): the thorough profile's 200 cases per spelling, the K-th of
+# THOROUGH_PARTS parts, THOROUGH_JOBS spellings at once, the part ended by THOROUGH_BUDGET seconds
+THOROUGH_PARTS ?= 4
+THOROUGH_JOBS ?= 6
+THOROUGH_BUDGET ?= 520
+# each run's JSON record ({date}: the day it started; {part}: K-of-N); GPU_RECORDS=DIR writes them
+# elsewhere, e.g. into a folder that comes back from a GPU host
+GPU_RECORDS ?= benchmarks/results/gpu_tests
+GPU_RECORD ?= $(GPU_RECORDS)/{date}-gpu-test$(if $(PART),-$(subst /,-of-,$(PART))).json
+THOROUGH_RECORD ?= $(GPU_RECORDS)/{date}-gpu-test-thorough-{part}.json
+THOROUGH_LOGS ?= build/gpu-test-thorough
+THOROUGH = $(BIN)/python tests/gpu/thorough_gpu.py --jobs $(THOROUGH_JOBS) --budget $(THOROUGH_BUDGET) \
+	--out '$(THOROUGH_LOGS)/{part}' --record '$(THOROUGH_RECORD)'
 
-.PHONY: demo test test-slow gpu-test coverage lint docs clean
+.PHONY: demo test test-slow gpu-test gpu-test-thorough coverage lint docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +45,16 @@ test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m slow
 
 gpu-test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m gpu $(if $(PART),--part $(PART))
+	$(BIN)/python -m pytest -q -m gpu -n $(GPU_WORKERS) --dist worksteal --record-json '$(GPU_RECORD)' $(PART:%=--part %)
+
+# PART=K/N runs that part, PART=K the K-th of THOROUGH_PARTS; without PART, every part in turn
+gpu-test-thorough: $(VENV)/.installed
+ifdef PART
+	$(THOROUGH) --part $(if $(findstring /,$(PART)),$(PART),$(PART)/$(THOROUGH_PARTS))
+else
+	status=0; for k in $$(seq 1 $(THOROUGH_PARTS)); do \
+		$(THOROUGH) --part $$k/$(THOROUGH_PARTS) || status=1; done; exit $$status
+endif
 
 # every causal-LM architecture of the installed transformers, tiny and explained: the README's table
 coverage: $(VENV)/.installed

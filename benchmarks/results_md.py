@@ -136,13 +136,80 @@ def table(spec: dict) -> str:
     return "\n".join(lines)
 
 
+GPU_TESTS = "gpu_tests"
+SHOWN_FAILURES = 5
+
+
+def _commit(data: dict) -> str:
+    head = data.get("commit")
+    return f"`{head[:12]}`" + (" (dirty)" if data.get("dirty") else "") if head else "-"
+
+
+def _result(data: dict) -> str:
+    """Whether the run passed whole, then each count above zero and the first failing ids."""
+    counts = data["counts"]
+    bad = counts.get("failed", 0) + counts.get("errors", 0) + counts.get("cut_short", 0)
+    whole = not bad and counts.get("passed") and not data.get("exit_status")
+    named = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items() if v) or "nothing ran"
+    text = ("passed whole: " if whole else "not whole: ") + named
+    fails = data.get("failures", [])
+    if fails:
+        more = f" and {len(fails) - SHOWN_FAILURES} more" if len(fails) > SHOWN_FAILURES else ""
+        text += "; failing: " + ", ".join(f"`{f}`" for f in fails[:SHOWN_FAILURES]) + more
+    return text.replace("|", "/")
+
+
+def gpu_runs() -> str:
+    """The section "GPU test runs": the newest record of `make gpu-test` (the whole run, not a part)
+    and, for the parts of the newest `make gpu-test-thorough` record, each part's newest; '' until
+    benchmarks/results/gpu_tests/ holds a record."""
+    folder = RESULTS / GPU_TESTS
+    whole = sorted(folder.glob("????-??-??-gpu-test.json"))
+    thorough = sorted(folder.glob("????-??-??-gpu-test-thorough-*-of-*.json"))
+    rows, files = [], []
+    if whole:
+        data = load(whole[-1])
+        files.append((whole[-1], data))
+        rows.append(["`make gpu-test`", data["date"], data.get("gpu") or "-", _commit(data),
+                     _result(data), f"{data['wall_s']:.0f}"])
+    if thorough:
+        n = int(re.search(r"-of-(\d+)\.json$", thorough[-1].name).group(1))
+        for k in range(1, n + 1):
+            found = sorted(folder.glob(f"????-??-??-gpu-test-thorough-{k}-of-{n}.json"))
+            run = f"`make gpu-test-thorough PART={k}/{n}`"
+            if not found:
+                rows.append([run, "-", "-", "-", "no record", "-"])
+                continue
+            data = load(found[-1])
+            files.append((found[-1], data))
+            rows.append([run, data["date"], data.get("gpu") or "-", _commit(data),
+                         _result(data), f"{data['wall_s']:.0f}"])
+    if not rows:
+        return ""
+    lines = [
+        "## GPU test runs",
+        "",
+        "The newest record of each tier of the GPU tests: `make gpu-test` runs every test marked `gpu` "
+        "once with the default hypothesis profile; `make gpu-test-thorough` the thorough profile's 200 "
+        "drawn cases per spelling, in parts. Each run writes its record to "
+        f"`benchmarks/results/{GPU_TESTS}/` (`tests/helpers/run_record.py`). A run passed whole where "
+        "nothing failed, raised or was cut short by its time.",
+        "",
+        "| run | date | card | commit | result | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", "Data: " + "; ".join(provenance(p, d) for p, d in files) + ".", ""]
+    return "\n".join(lines)
+
+
 sys.path.insert(0, str(ROOT))  # the tables live beside this script, which also runs as a module
 from results_tables import HOW, INTRO, TABLES  # noqa: E402
 
 
 def render() -> str:
-    parts = [INTRO] + [table(t) for t in TABLES if present(t)] + [HOW]
-    return "\n".join(parts).rstrip("\n") + "\n"
+    parts = [INTRO] + [table(t) for t in TABLES if present(t)] + [gpu_runs(), HOW]
+    return "\n".join(p for p in parts if p).rstrip("\n") + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

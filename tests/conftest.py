@@ -33,8 +33,25 @@ def pytest_addoption(parser):
         default=None,
         metavar="K/N",
         help="run the K-th of N parts of the selected tests (every N-th, from the K-th): a run longer "
-        "than one sitting (pytest -m gpu, with its thorough property tests) split into N",
+        "than one sitting (pytest -m gpu) split into N",
     )
+    parser.addoption(
+        "--record-json",
+        default=None,
+        metavar="PATH",
+        help="write the run as a JSON record to PATH ({date}: the day it started): counts, failing and "
+        "slowest tests, commit, GPU and versions (tests/helpers/run_record.py); `make gpu-test` keeps "
+        "it under benchmarks/results/gpu_tests/",
+    )
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-json")
+    # the controller alone: under pytest-xdist it sees every worker's reports, and one file is written
+    if path and not hasattr(config, "workerinput"):
+        from run_record import PytestRecord
+
+        config.pluginmanager.register(PytestRecord(config, path), "record-json")
 
 
 def _part(spec: str) -> tuple[int, int]:

@@ -41,3 +41,40 @@ def test_a_missing_key_is_named(monkeypatch):
     mod = _module()
     with pytest.raises(SystemExit, match="no key 'nope'"):
         mod.walk({"a": {}}, "a/nope", "x.json")
+
+
+def _record(folder: Path, name: str, **fields) -> None:
+    counts = dict.fromkeys(["passed", "failed", "xfailed", "xpassed", "skipped", "errors"], 0)
+    counts.update(fields.pop("counts"))
+    data = {"date": name[:10], "commit": "0123456789abcdef" * 2 + "01234567", "dirty": False,
+            "gpu": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "triton": "3.6.0"},
+            "wall_s": 431.2, "counts": counts, "failures": [], "exit_status": 0, **fields}  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(data))
+
+
+def test_gpu_test_runs_list_the_newest_record_of_each_tier(tmp_path, monkeypatch):
+    mod = _module()
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    assert mod.gpu_runs() == ""  # no record yet: no section
+    runs = tmp_path / "gpu_tests"
+    _record(runs, "2026-01-01-gpu-test", counts={"passed": 3, "failed": 1}, failures=["t.py::a"], exit_status=1)
+    _record(runs, "2026-01-05-gpu-test", counts={"passed": 224, "xfailed": 1, "skipped": 3})
+    _record(runs, "2026-01-05-gpu-test-2-of-4", counts={"passed": 50})  # a part of gpu-test: not the whole
+    _record(runs, "2026-01-02-gpu-test-thorough-1-of-4", counts={"passed": 12})
+    _record(runs, "2026-01-06-gpu-test-thorough-3-of-4", dirty=True, wall_s=519.0,
+            counts={"passed": 10, "cut_short": 1, "failed": 1}, failures=["test_gpu.py::t[rope.x]"])  # fmt: skip
+    text = mod.gpu_runs()
+    lines = text.splitlines()
+    assert lines[0] == "## GPU test runs"
+    (whole,) = [row for row in lines if row.startswith("| `make gpu-test`")]
+    assert whole == ("| `make gpu-test` | 2026-01-05 | NVIDIA H100 80GB HBM3 | `0123456789ab` | passed whole: "
+                     "224 passed, 1 xfailed, 3 skipped | 431 |")  # fmt: skip
+    parts = [row for row in lines if row.startswith("| `make gpu-test-thorough")]
+    assert [row.split(" | ")[0] for row in parts] == [f"| `make gpu-test-thorough PART={k}/4`" for k in range(1, 5)]
+    assert "passed whole: 12 passed" in parts[0] and "no record" in parts[1] and "no record" in parts[3]
+    assert "(dirty)" in parts[2] and "| 519 |" in parts[2]
+    assert "not whole: 10 passed, 1 failed, 1 cut short; failing: `test_gpu.py::t[rope.x]`" in parts[2]
+    assert "gpu_tests/2026-01-05-gpu-test.json" in text and "2026-01-01" not in text
+    monkeypatch.setattr(mod, "TABLES", [])  # the benchmark tables read files this folder lacks
+    assert mod.render() == "\n".join([mod.INTRO, text, mod.HOW]).rstrip("\n") + "\n"

@@ -6,9 +6,12 @@ The Llama-3.2-1B shape (suite.SHAPES), random weights, bf16, 8 x 2048 tokens per
   sft       SFTTrainer (where trl imports): `stock` (TRL's own fused LM head); `kernelgraft` (it
             serves the rest of the model and TRL's head runs, as its report says)
   accuracy  4 layers (`--accuracy-layers`), untied head, 2 x 1024: the loss and the gradients of the
-            head's and the final norm's weights by TRL's fused head (add_fused_lm_head, then
-            model(..., fused_lm_head=True)) and kernelgraft's under bf16 autocast, against float64
-            truth beside the unfused model's error (gradcheck.judge: ok at most 1.1x it + 4 eps)
+            head's and the final norm's weights under bf16 autocast, against float64 truth, of the
+            fused heads alone, the rest of the model eager in each (TRL's: add_fused_lm_head, then
+            model(..., fused_lm_head=True); kernelgraft's: optimize(patterns=["lm_head_ce"],
+            backend="eager")), beside the unfused model's error (gradcheck.judge: ok at most 1.1x
+            it + 4 eps); and the kernelgraft model as the benchmark runs it (every site served, the
+            benchmark's backend), beside eager and, under inductor, the stock model under torch.compile
 Each mode runs one `train()` in a thread of its own, and the threads take turns (Baton), the others
 waiting between two steps with their trainers resident: `--warmup` steps per mode (the first timed
 apart: it compiles), `--rounds` rounds of `--per-turn` steps per mode, the order rotated each round so
@@ -322,8 +325,11 @@ def measure_part(part, spec, save, doc: dict) -> None:
 
 
 def accuracy(spec) -> dict:
-    """The loss and GRADS by the unfused model, TRL's fused head and kernelgraft's, under bf16
-    autocast (the Trainer's bf16=True), against float64 truth, each judged beside the unfused one."""
+    """The loss and GRADS under bf16 autocast (the Trainer's bf16=True) against float64 truth: the
+    unfused model, TRL's fused head and kernelgraft's, each head alone in an otherwise eager model
+    (so that only the head differs), judged beside the unfused one; and the kernelgraft model as the
+    benchmark runs it, judged beside eager and the stock model under torch.compile (the inductor
+    backend compiles the code between the sites as torch.compile does)."""
     import kernelgraft
     from kernelgraft.gradcheck import Float64Everywhere, judge
 
@@ -349,9 +355,16 @@ def accuracy(spec) -> dict:
         add_fused_lm_head(m := copy.deepcopy(base))
         heads["trl"] = run(m, fused_lm_head=True)
     out["trl"] = "measured" if heads else "this trl has no add_fused_lm_head" if have else "trl not installed"
-    m = kernelgraft.optimize(copy.deepcopy(base), backend=spec.backend)
+    m = kernelgraft.optimize(copy.deepcopy(base), backend="eager", patterns=["lm_head_ce"])
     heads["kernelgraft"] = run(m)
     out["kernelgraft_sites"] = m.kernelgraft_report.counts(graph="training")
+    m = kernelgraft.optimize(copy.deepcopy(base), backend=spec.backend)
+    whole = run(m)
+    out["model_sites"] = m.kernelgraft_report.counts(graph="training")
+    compiled = None
+    if spec.backend == "inductor":
+        (m := copy.deepcopy(base)).compile(backend="inductor")
+        compiled = run(m)
     del m
     eager = run(base)
     for q in truth:
@@ -359,6 +372,9 @@ def accuracy(spec) -> dict:
         for who, got in heads.items():
             v = judge(q, truth[q], got[q], eager[q])
             row.update({"eager": v.eager, "bound": v.bound, who: v.kernelgraft, f"{who}_ok": v.ok})
+        v = judge(q, truth[q], whole[q], eager[q], None if compiled is None else compiled[q])
+        row.update(model=v.kernelgraft, model_ok=v.ok, model_bound=v.bound)
+        row.update({} if compiled is None else {"compile": v.compile})
     return out
 
 
@@ -378,13 +394,17 @@ def markdown(doc) -> str:
         a, run = d["args"], d["run"]
         if part == "accuracy":
             L += [f"**{title}**, {d['shape']} of the {a['shape']}, untied head, {a['weights']} weights under bf16 "
-                  f"autocast; error ||x - truth|| / ||truth|| against float64 (TRL: {d['trl']}; kernelgraft's "
-                  f"sites: {d['kernelgraft_sites']}; {run['date']}, {run['gpu']}):", "",
+                  f"autocast; error ||x - truth|| / ||truth|| against float64. Each fused head alone, the rest of "
+                  f"the model eager (TRL: {d['trl']}; kernelgraft's sites: {d['kernelgraft_sites']}); then the "
+                  f"kernelgraft model on the {a['backend']} backend ({d.get('model_sites')}), judged beside eager "
+                  f"and torch.compile ({run['date']}, {run['gpu']}):", "",
                   "| quantity | unfused (eager) | TRL's fused head | kernelgraft's fused head | bound (1.1x eager "
-                  "+ 4 eps) |", "|---|---|---|---|---|"]  # fmt: skip
+                  "+ 4 eps) | kernelgraft model | torch.compile | its bound |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
             for q, r in d["errors"].items():
-                cell = {w: f"{r[w]:.3g} ({'ok' if r[w + '_ok'] else 'over'})" if w in r else "-" for w in ("trl", "kernelgraft")}  # fmt: skip
-                L += [f"| {q} | {r['eager']:.3g} | {cell['trl']} | {cell['kernelgraft']} | {r['bound']:.3g} |"]
+                pairs = (("trl", "trl_ok"), ("kernelgraft", "kernelgraft_ok"), ("model", "model_ok"))
+                cell = {w: f"{r[w]:.3g} ({'ok' if r[ok] else 'over'})" if w in r else "-" for w, ok in pairs}
+                L += [f"| {q} | {r['eager']:.3g} | {cell['trl']} | {cell['kernelgraft']} | {r['bound']:.3g} "
+                      f"| {cell['model']} | {_num(r.get('compile'), '.3g')} | {_num(r.get('model_bound'), '.3g')} |"]  # fmt: skip
             L += [""]
             continue
         L += [f"**{title}**, {a['shape']}, {a['weights']} weights, {a['B']} x {a['S']} tokens per step, AdamW, "

@@ -247,10 +247,14 @@ def audit_cmd(a, out=None, note=None) -> int:
 
     def audit(model, **kw):
         return kernelgraft.audit(
-            model, **kw, backend=a.backend, compile_reference=not a.no_compile_reference, progress=True
+            model, **kw, backend=a.backend, compile_reference=not a.no_compile_reference, progress=True,
+            batches=[b(model) for b in more],
         )
 
-    inputs = kernelgraft.tiny.random_inputs(a.batch, a.seq, a.device, a.seed, True, _vocab(a.model))
+    inputs, *more = (  # the first batch, and the others of other seeds
+        kernelgraft.tiny.random_inputs(a.batch, a.seq, a.device, a.seed + 7919 * i, True, _vocab(a.model))
+        for i in range(a.batches)
+    )
     rep = run_first(_source(a.arch, a.model), ways, inputs, audit, a.model is None, note)
     print(rep.to_markdown(), file=out)
     if a.out:
@@ -327,12 +331,8 @@ def _add_source(sp: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a local Hugging Face checkpoint directory (config.json and weights; nothing is downloaded)",
     )
-    sp.add_argument(
-        "--layers",
-        type=int,
-        default=2,
-        help="layers of the tiny random model of --arch, 1 or more (default: %(default)s)",
-    )
+    sp.add_argument("--layers", type=int, default=2,
+                    help="layers of the tiny random model of --arch, 1 or more (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,12 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
     d = sub.add_parser("demo", help="train a tiny Llama stock vs kernelgraft and compare the loss curves")
-    d.add_argument(
-        "--steps",
-        type=int,
-        default=20,
-        help="training steps of each model, 1 or more (default: %(default)s)",
-    )
+    d.add_argument("--steps", type=int, default=20,
+                   help="training steps of each model, 1 or more (default: %(default)s)")
     d.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -393,24 +389,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="eager",
         help="torch.compile backend of the optimized model (default: %(default)s)",
     )
-    au.add_argument(
-        "--batch",
-        type=int,
-        default=2,
-        help="sequences in the random batch, 1 or more (default: %(default)s)",
-    )
+    au.add_argument("--batch", type=int, default=2,
+                    help="sequences in each random batch, 1 or more (default: %(default)s)")
     au.add_argument(
         "--seq",
         type=int,
         default=16,
         help="tokens per sequence, 2 or more; the first quarter is a prompt without labels (default: %(default)s)",
     )
-    au.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the random model and batch, an integer (default: %(default)s)",
-    )
+    au.add_argument("--seed", type=int, default=0,
+                    help="seed of the random model and batches, an integer (default: %(default)s)")
+    au.add_argument("--batches", type=int, default=16, help="random batches the loss and each parameter's "
+                    "gradient are judged on at once, 1 or more: on one, a loss is one number, its error a draw "
+                    "of the rounding (default: %(default)s)")
     au.add_argument("--out", metavar="HTML", help="write the HTML report to this file")
     au.add_argument("--md", metavar="MD", help="write the Markdown report to this file")
     au.add_argument(
@@ -467,10 +458,9 @@ def _run(a, sp: argparse.ArgumentParser) -> int:
         raise UsageError("--layers must be at least 1")
     if a.cmd == "explain":
         return explain_model(a.arch, a.model, a.layers, note=note)
-    if a.batch < 1:
-        raise UsageError("--batch must be at least 1")
-    if a.seq < 2:
-        raise UsageError("--seq must be at least 2")
+    for flag, least in (("batch", 1), ("seq", 2), ("batches", 1)):
+        if getattr(a, flag) < least:
+            raise UsageError(f"--{flag} must be at least {least}")
     _check_device(a.device)
     return audit_cmd(a, note=note)
 

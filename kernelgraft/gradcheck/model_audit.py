@@ -93,6 +93,7 @@ class ModelAudit:
     params: list[Row] = field(default_factory=list)
     lints: list[Lint] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    batches: int = 1  # the batches the loss and the parameter gradients are judged on
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
     versions: str = field(default_factory=lambda: f"torch {torch.__version__}")
 
@@ -143,14 +144,20 @@ def audit(
     lints: bool = True,
     seed: int = 0,
     progress: bool | None = None,
+    batches=None,
     **kwargs,
 ) -> ModelAudit:
     """Audit kernelgraft on `model(*args, **kwargs)` (pass labels to audit a training step: the
     loss is what is differentiated; without a loss, a fixed random projection of the logits is).
 
     backend: the kernelgraft backend audited ("eager" or "inductor"). compile_reference: also
-    compare each site with torch.compile of its spelling (slower on CPU). progress: tqdm bars
-    (None: only on a terminal).
+    compare each site with torch.compile of its spelling, and under the inductor backend the whole
+    model with the stock model under torch.compile (slower on CPU). progress: tqdm bars (None:
+    only on a terminal). batches: more batches besides `kwargs` (each a dict of keyword arguments,
+    as `kwargs` is): the loss and every parameter gradient are judged on all of them at once, one
+    vector each. A model's loss is one number a batch and a norm's weight gradient a few dozen: on
+    one batch their error is a draw of the rounding, and where two models round apart (the
+    inductor backend beside eager) the rule then compares two draws, not two accuracies.
 
     >>> import torch, kernelgraft
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -192,20 +199,32 @@ def audit(
     for i, (rec, sp, values) in enumerate(bar(probed, desc="sites")):
         rep.sites += _site_rows(i, rec, sp, values, rounding, compile_reference, seed)
 
-    # 2. parameters, through the whole model
+    # 2. parameters, through the whole model, on every batch
+    calls = [(args, kwargs)] + [((), _batch(b)) for b in batches or ()]
+    rep.batches = len(calls)
     steps = [("reference", reference_dtype), ("stock", None), ("kernelgraft", None)]
+    # the inductor backend compiles the code between the sites as torch.compile does: the stock
+    # model compiled so is the other reference of the rule, as torch.compile of a spelling is a site's
+    steps += [("compiled", None)] if compile_reference and backend == "inductor" else []
     grads = {}
     for name, dt in bar(steps, desc="model runs"):
         m = _copy(model, dt)
         if name == "kernelgraft":
             optimize(m, backend=backend, patterns=patterns)
+        if name == "compiled":
+            m.compile(backend="inductor")
         # the reference in float64 through and through: the model's own upcasts (`.float()` before
         # the loss, fp32 norms) widen too, as for the sites' truth
         widen = Float64Everywhere() if dt == torch.float64 else contextlib.nullcontext()
-        with room_for_recompiles(), widen:
-            grads[name] = _run(m, _cast(args, dt), _cast(kwargs, dt), seed)
+        runs = []
+        for a, kw in calls:
+            with room_for_recompiles(), widen:
+                runs.append(_run(m, _cast(a, dt), _cast(kw, dt), seed))
+        grads[name] = _joined(runs)
+        if name == "reference":
+            shapes = {n: list(v.shape) for n, v in runs[0].items() if v is not None}
         del m
-    rep.params = _param_rows(grads)
+    rep.params = _param_rows(grads, shapes)
 
     # 3. lints
     if lints:
@@ -265,8 +284,20 @@ def _objective(out, seed):
     return (y.double() * proj).sum()
 
 
+def _batch(b) -> dict:
+    if not isinstance(b, dict):
+        raise TypeError(
+            f"kernelgraft.audit: each of batches is a dict of the model's keyword arguments (as "
+            f"input_ids=..., labels=...), got {type(b).__name__}"
+        )
+    return b
+
+
 def _run(model, args, kwargs, seed) -> dict:
-    """Forward + backward -> {"loss": value, parameter name: gradient}."""
+    """Forward + backward -> {"loss": value, parameter name: gradient}; the gradients are the
+    batch's alone (each run starts from none). Names as the stock model has them (a compiled
+    model's parameters are its original module's)."""
+    model.zero_grad(set_to_none=True)
     with torch.enable_grad():
         out = model(*args, **kwargs)
         obj = _objective(out, seed)
@@ -274,12 +305,25 @@ def _run(model, args, kwargs, seed) -> dict:
     res = {"loss": obj.detach()}
     for n, p in model.named_parameters():
         if p.requires_grad:
-            res[n] = p.grad
+            res[n.replace("_orig_mod.", "")] = p.grad
     return res
 
 
-def _param_rows(grads) -> list[Row]:
+def _joined(runs: list[dict]) -> dict:
+    """One run's {name: value}, or several runs' values of each name in one flat vector (a name
+    missing a gradient in any run: None)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {}
+    for name in runs[0]:
+        vals = [r.get(name) for r in runs]
+        out[name] = None if any(v is None for v in vals) else torch.cat([v.detach().reshape(-1) for v in vals])
+    return out
+
+
+def _param_rows(grads, shapes: dict) -> list[Row]:
     ref, stock, mine = grads["reference"], grads["stock"], grads["kernelgraft"]
+    compiled = grads.get("compiled")
     rows = []
     for name, truth in ref.items():
         e, k = stock.get(name), mine.get(name)
@@ -294,10 +338,11 @@ def _param_rows(grads) -> list[Row]:
                 "loss" if name == "loss" else "param",
                 name,
                 what,
-                shapes="" if truth is None else str(list(truth.shape)),
+                shapes=str(shapes[name]) if name in shapes else "",
                 dtypes="" if k is None else str(k.dtype).replace("torch.", ""),
                 kernelgraft=rel_error(k, truth),
                 eager=rel_error(e, truth),
+                compile=None if compiled is None else rel_error(compiled.get(name), truth),
                 note=note,
             )
         )

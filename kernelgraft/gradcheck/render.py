@@ -20,7 +20,7 @@ SITE_HEAD = [
     "bound",
     "status",
 ]
-PARAM_HEAD = ["parameter", "shape", "dtype", "kernelgraft", "eager", "bound", "status"]
+PARAM_HEAD = ["parameter", "shape", "dtype", "kernelgraft", "eager", "compile", "bound", "status"]
 
 
 def num(x) -> str:
@@ -49,7 +49,7 @@ def site_cells(a) -> list[list[str]]:
 
 def param_cells(a) -> list[list[str]]:
     return [
-        [r.where, r.shapes, r.dtypes, num(r.kernelgraft), num(r.eager), num(r.bound), status(r)]
+        [r.where, r.shapes, r.dtypes, num(r.kernelgraft), num(r.eager), num(r.compile), num(r.bound), status(r)]
         for r in a.params
     ]
 
@@ -61,7 +61,8 @@ def summary(a) -> list[str]:
     lines = [
         f"model {a.model}, {a.dtype} on {a.device}, kernelgraft backend {a.backend}; reference {a.reference}; "
         f"{a.date}, {a.versions}",
-        f"verdict: {verdict}. {n_sites} site(s), {len(a.params) - 1} parameter gradient(s) and the loss checked.",
+        f"verdict: {verdict}. {n_sites} site(s), {len(a.params) - 1} parameter gradient(s) and the loss checked"
+        f"{f', the model on {a.batches} batches' if a.batches > 1 else ''}.",
         f"rule: {RULE}.",
     ]
     if w is not None:

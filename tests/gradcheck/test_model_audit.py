@@ -249,7 +249,7 @@ def test_bad_input_is_refused_clearly():
 def test_cli_audit_writes_html_and_markdown_and_exits_0(tmp_path, capsys):
     html, md = tmp_path / "a.html", tmp_path / "a.md"
     rc = cli.main(
-        ["audit", "--arch", "mistral", "--out", str(html), "--md", str(md), "--no-compile-reference"]
+        ["audit", "--arch", "mistral", "--out", str(html), "--md", str(md), "--no-compile-reference", "--batches", "2"]
     )
     assert rc == 0
     out = capsys.readouterr().out
@@ -268,7 +268,43 @@ def test_cli_audit_exit_codes_for_bad_usage(tmp_path):
 def test_cli_audit_of_a_local_checkpoint(tmp_path, capsys):
     model = tiny_model("qwen2")
     model.save_pretrained(tmp_path / "ckpt")
-    rc = cli.main(["audit", "--model", str(tmp_path / "ckpt"), "--no-compile-reference", "--seq", "12"])
+    rc = cli.main(["audit", "--model", str(tmp_path / "ckpt"), "--no-compile-reference", "--seq", "12", "--batches", "2"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "# kernelgraft audit: Qwen2ForCausalLM" in out and "verdict: ok" in out
+
+
+def test_the_loss_and_the_gradients_are_judged_over_every_batch():
+    """batches=: each quantity's values from every batch in one vector, judged once: the loss row's
+    errors are those of the losses of the three batches, recomputed here from the stock model."""
+    from kernelgraft.gradcheck import Float64Everywhere, rel_error
+
+    model = tiny_model("llama")
+    first, more = batch(seed=0), [batch(seed=1), batch(seed=2)]
+    rep = kernelgraft.audit(model, **first, batches=more, compile_reference=False, lints=False)
+    assert rep.ok and rep.batches == 3 and "the model on 3 batches" in rep.to_markdown()
+    assert all(r.compile is None for r in rep.params)  # the eager backend: eager is the stock reference
+    wide = model.double()
+    with Float64Everywhere():
+        truth = torch.stack([wide(**b).loss.detach() for b in (first, *more)])
+    stock = torch.stack([model.float()(**b).loss.detach() for b in (first, *more)])
+    assert rep.params[0].where == "loss" and rep.params[0].shapes == "[]"
+    assert rep.params[0].eager == pytest.approx(rel_error(stock, truth), rel=1e-12)
+    assert rep.params[1].shapes == str(list(model.model.embed_tokens.weight.shape))
+    with pytest.raises(TypeError, match="each of batches is a dict"):
+        kernelgraft.audit(model, **first, batches=[first["input_ids"]], compile_reference=False)
+
+
+@pytest.mark.slow  # five audits of about 50 s each on a 2-core CPU
+def test_cli_audit_in_bf16_under_inductor_passes_at_seeds_0_to_4(capsys):
+    """A documented configuration: on one batch, its loss (one number) and norm weights (a few
+    dozen) missed the rule at seeds 0 and 2 by a draw of the rounding, as the stock model under
+    torch.compile misses it against eager (5.5x the bound at seed 0); judged over 16 batches and
+    beside torch.compile, as the rule reads, every seed passes."""
+    for seed in range(5):
+        rc = cli.main(["audit", "--arch", "llama", "--backend", "inductor", "--dtype", "bfloat16", "--seed", str(seed)])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        params = out.partition("## Parameters")[2]
+        assert "| compile |" in params and "the model on 16 batches" in out
+        assert re.search(r"\| loss \| \[\] \| float32 \| [0-9.e-]+ \| [0-9.e-]+ \| [0-9.e-]+ \|", params), params

@@ -34,3 +34,17 @@ def test_gemma2_under_inductor_in_bf16_over_32_batches():
     bad = [str(v) for v in verdicts if not v.ok]
     assert not bad, "\n".join(bad)
     assert grafted.kernelgraft_report.counts()["rms_norm"] >= 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_llama_in_bf16_over_16_batches_on_both_backends(backend):
+    # the inductor backend compiles the code between the sites as torch.compile does: judged beside
+    # the stock model under torch.compile too, as the rule reads; the eager backend beside eager alone
+    stock = tiny_model("llama", torch.bfloat16)
+    grafted = kernelgraft.optimize(copy.deepcopy(stock), backend=backend)
+    batches = [batch(seed=s) for s in range(1, 17)]
+    verdicts = compare_models(grafted, stock, batches, compiled=backend == "inductor")
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert grafted.kernelgraft_report.counts(graph="training") == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}

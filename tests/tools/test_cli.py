@@ -124,9 +124,10 @@ def test_every_option_of_every_subcommand_has_help_without_internal_references()
             [
                 "  --dtype {float32,bfloat16,float16}",
                 "  --backend {inductor,eager}",
-                "  --batch BATCH         sequences in the random batch, 1 or more (default: 2)",
+                "  --batch BATCH         sequences in each random batch, 1 or more (default: 2)",
                 "  --seq SEQ             tokens per sequence, 2 or more; the first quarter is a prompt without labels (default: 16)",
-                "  --seed SEED           seed of the random model and batch, an integer (default: 0)",
+                "  --seed SEED           seed of the random model and batches, an integer (default: 0)",
+                "  --batches BATCHES     random batches the loss and each parameter's gradient are judged on at once, 1 or more: on one, a loss is one number, its error a draw of the rounding (default: 16)",
                 "  --device DEVICE       cpu, cuda or cuda:N (default: cpu)",
             ],
         ),

@@ -2,7 +2,8 @@
 
 `kernelgraft demo | explain | audit | patterns | bench`. Exit codes: 0 success, 1 the check failed
 (loss curves disagree, an audit found a less accurate site or gradient), 2 an error, said in one line
-on stderr (bad usage, a model that does not build or run).
+on stderr (bad usage, a model that does not build or run), 3 a report could not be written (said in
+one line; the audit's verdict is printed first).
 """
 
 from __future__ import annotations
@@ -44,6 +45,31 @@ DEFAULT_ARCH = "llama"  # explain and audit without --arch or --model
 # (hidden, intermediate, layers, heads, kv heads, vocab, batch, seq): big enough on a GPU that
 # tokens/s mean something, small enough on a CPU to finish in seconds under the interpreter
 _DEMO_SIZES = {"cuda": (1024, 2816, 8, 16, 4, 32000, 8, 1024), "cpu": (128, 256, 2, 4, 2, 512, 4, 64)}
+
+
+class WriteError(Exception):
+    """A report that could not be written after the work: main() prints it in one line and exits 3."""
+
+
+def _writable(flag: str, path: str | None) -> None:
+    """Refuse, before any work, an output path whose folder does not exist or that is a folder."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def _write(flag: str, path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise WriteError(f"{flag} {path}: could not write the report ({e.strerror or e})") from None
 
 
 class UsageError(Exception):
@@ -247,7 +273,7 @@ def audit_cmd(a, out=None, note=None) -> int:
 
     def audit(model, **kw):
         return kernelgraft.audit(
-            model, **kw, backend=a.backend, compile_reference=not a.no_compile_reference, progress=True,
+            model, **kw, backend=a.backend, compile_reference=not a.no_compile_reference, progress=None,
             batches=[b(model) for b in more],
         )
 
@@ -258,11 +284,10 @@ def audit_cmd(a, out=None, note=None) -> int:
     rep = run_first(_source(a.arch, a.model), ways, inputs, audit, a.model is None, note)
     print(rep.to_markdown(), file=out)
     if a.out:
-        rep.to_html(a.out)
+        _write("--out", a.out, rep.to_html())
         print(f"HTML report: {a.out}", file=out)
     if a.md:
-        with open(a.md, "w", encoding="utf-8") as f:
-            f.write(rep.to_markdown())
+        _write("--md", a.md, rep.to_markdown())
     return 0 if rep.ok else 1
 
 
@@ -280,6 +305,9 @@ def patterns(out=None) -> int:
             except (OSError, TypeError):  # a spelling defined where Python keeps no source (a REPL)
                 source = "(source not available)\n"
             print(textwrap.indent(source, " " * 6), end="", file=out)
+    print("graph rewrites, which reports also name (no kernel of their own):", file=out)
+    for name, what in kernelgraft.rewriter.REWRITES.items():
+        print(f"  {name}: {what}", file=out)
     return 0
 
 
@@ -346,19 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a tiny Llama stock vs kernelgraft and compare the loss curves")
     d.add_argument("--steps", type=int, default=20,
                    help="training steps of each model, 1 or more (default: %(default)s)")
-    d.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where to train; auto: cuda if a GPU is visible, else cpu (default: %(default)s)",
-    )
-    d.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=None,
-        help="torch.compile backend of the kernelgraft model; default: inductor on cuda, eager on cpu "
-        "(inductor's CPU compile is slow)",
-    )
+    d.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where to train; auto: cuda if a GPU is visible, else cpu (default: %(default)s)")
+    d.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="torch.compile backend of the kernelgraft model; default: inductor on cuda, eager on cpu "
+                   "(inductor's CPU compile is slow)")
     e = sub.add_parser(
         "explain",
         help="report what would be replaced in a tiny random model or a local checkpoint",
@@ -368,47 +388,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source(e)
     au = sub.add_parser(
         "audit",
-        help="per site and parameter, is the optimized model as accurate as the stock one? (exit 1 if not)",
+        help="per site and parameter, is the optimized model as accurate as the stock one? (exit 1 if not, "
+        "3 if a report could not be written)",
         epilog="examples:\n  kernelgraft audit --arch llama --out audit.html\n"
         "  kernelgraft audit --model ./checkpoint --dtype bfloat16 --out audit.html --md audit.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_source(au)
-    au.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="dtype the model is audited in (default: %(default)s)",
-    )
-    au.add_argument(
-        "--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"
-    )
-    au.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="eager",
-        help="torch.compile backend of the optimized model (default: %(default)s)",
-    )
+    au.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="dtype the model is audited in (default: %(default)s)")
+    au.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    au.add_argument("--backend", choices=BACKENDS, default="eager",
+                    help="torch.compile backend of the optimized model (default: %(default)s)")
     au.add_argument("--batch", type=int, default=2,
                     help="sequences in each random batch, 1 or more (default: %(default)s)")
-    au.add_argument(
-        "--seq",
-        type=int,
-        default=16,
-        help="tokens per sequence, 2 or more; the first quarter is a prompt without labels (default: %(default)s)",
-    )
+    au.add_argument("--seq", type=int, default=16, help="tokens per sequence, 2 or more; the first quarter is a "
+                    "prompt without labels (default: %(default)s)")
     au.add_argument("--seed", type=int, default=0,
                     help="seed of the random model and batches, an integer (default: %(default)s)")
     au.add_argument("--batches", type=int, default=16, help="random batches the loss and each parameter's "
                     "gradient are judged on at once, 1 or more: on one, a loss is one number, its error a draw "
                     "of the rounding (default: %(default)s)")
-    au.add_argument("--out", metavar="HTML", help="write the HTML report to this file")
-    au.add_argument("--md", metavar="MD", help="write the Markdown report to this file")
-    au.add_argument(
-        "--no-compile-reference",
-        action="store_true",
-        help="compare with eager only: skip the torch.compile reference of each site (faster)",
-    )
+    au.add_argument("--out", metavar="HTML", help="write the HTML report to this file (its folder must exist)")
+    au.add_argument("--md", metavar="MD", help="write the Markdown report to this file (its folder must exist)")
+    au.add_argument("--no-compile-reference", action="store_true",
+                    help="compare with eager only: skip the torch.compile reference of each site "
+                    "(and, under inductor, of the whole model; faster)")
     sub.add_parser("patterns", help="list the registered patterns, their spellings and each one's source")
     sub.add_parser(
         "bench",
@@ -462,6 +467,8 @@ def _run(a, sp: argparse.ArgumentParser) -> int:
         if getattr(a, flag) < least:
             raise UsageError(f"--{flag} must be at least {least}")
     _check_device(a.device)
+    _writable("--out", a.out)
+    _writable("--md", a.md)
     return audit_cmd(a, note=note)
 
 
@@ -480,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"kernelgraft {cmd}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except WriteError as err:
+        print(f"kernelgraft {cmd}: error: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
     except BrokenPipeError:  # the reader stopped reading (a pipe into head): nothing of ours failed
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0

@@ -53,6 +53,13 @@ SPELLING = "causal_mask"
 CHECKED = "causal_mask_checked"  # the spelling of a site whose mask is checked at run time
 # a mask-free call that read repeat_kv'ed keys and values: pattern and spelling
 GQA_PATTERN, GQA = "gqa", "unrepeated_kv"
+# what a report names these rewrites by, and what each does (`kernelgraft patterns` lists them)
+REWRITES = {
+    f"{PATTERN}.{SPELLING}": "an attention mask proven causal on the graph: SDPA runs is_causal=True without it",
+    f"{PATTERN}.{CHECKED}": "a mask read from the graph's inputs, checked causal at run time, then as above",
+    f"{GQA_PATTERN}.{GQA}": "keys and values repeated to the query's heads (repeat_kv) read unrepeated "
+    "through SDPA's enable_gqa",
+}
 META = "kernelgraft_mask_checks"  # gm.meta key: the MaskChecks the graph's rewrite relies on
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _IMPURE = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "empty")

@@ -86,7 +86,7 @@ class Grafter:
         self.probe = probe
         self.training = training
         self.heads = heads  # the model's output embeddings' paths (api.output_heads)
-        self.report = RewriteReport()
+        self.report = RewriteReport(dry_run=dry_run)
         self.runs = self.foreign_runs = 0  # runs of its compiled graphs; others' run in its model's calls
         self.limit_hits: list[str] = []  # dynamo's recompile limits hit in its model's calls
         self.graph_runs: list[int] = []  # runs of each compiled graph (runs.counted), by their order

@@ -49,6 +49,7 @@ from .replace import copy_source_meta, tag_recompute
 from .report import SiteRecord, example_value, module_path
 
 PATTERN, SPELLING = "linear", "shared_input"
+REWRITES = {f"{PATTERN}.{SPELLING}": "linear layers that read one input fused into one matmul (Options.fuse_projections)"}
 LINEARS = (F.linear, torch._C._nn.linear)
 # the largest matmul (2 M K N flops) fused: one short enough that its launch, not its work, sets
 # the pace (a 135M Llama's groups are under it, a 1B's over it)

@@ -224,6 +224,7 @@ class RewriteReport:
     # layers' path and host bytes (offload.py)
     memory: object = field(default=None, repr=False, compare=False)
     offloaded: dict = field(default_factory=dict, repr=False, compare=False)
+    dry_run: bool = field(default=False, repr=False, compare=False)  # explain's: nothing was replaced
 
     def captures(self) -> list[str]:
         """The kinds of graph captured so far (CAPTURES' order), each with records or graphs."""
@@ -242,7 +243,7 @@ class RewriteReport:
             raise ValueError(
                 f"kernelgraft: no kind of graph {capture!r}; the kinds are {', '.join(CAPTURES)}"
             )
-        part = RewriteReport(graphs=self.graphs_by[capture] if self.graphs_by else self.graphs)
+        part = RewriteReport(graphs=self.graphs_by[capture] if self.graphs_by else self.graphs, dry_run=self.dry_run)
         ran = self.per_call.get(capture)
         for name in _RECORDS:
             kept = [r for r in getattr(self, name) if r.capture == capture and (not ran or r.graph in ran)]
@@ -254,7 +255,7 @@ class RewriteReport:
     def current(self) -> RewriteReport:
         """The records of the graphs that run now: for each kind of graph, those its latest call
         ran (`of`), together. `.sites` and the other lists keep every capture's records."""
-        part = RewriteReport(graphs=self.graphs)
+        part = RewriteReport(graphs=self.graphs, dry_run=self.dry_run)
         for k in self.captures():
             kind = self.of(k)
             part.add(kind)
@@ -347,15 +348,21 @@ class RewriteReport:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items())) or "none"
         lost = self.fell_back_at_run_time()
         return (
-            f"kernelgraft: {sum(self.times(s) for s in self.sites if s.replaced)} site(s) replaced"
+            f"kernelgraft: {sum(self.times(s) for s in self.sites if s.replaced)} site(s) {self._replaced}"
             f" in {self.graphs} graph(s) ({counts})"
             + (f"; {len(lost)} fell back at run time (their kernels failed: stock code runs)" if lost else "")
         )
+
+    @property
+    def _replaced(self) -> str:
+        return "would be replaced" if self.dry_run else "replaced"
 
     def _lines(self, headline: str) -> list[str]:
         """This report's records as text under `headline` (each kind's section of a split report)."""
         out = [headline]
         rows = [s.row() for s in self.sites + self.fallbacks]
+        for row in rows:  # a dry run's sites are what a real run would replace
+            row[-1] = row[-1].replace("replaced", self._replaced, 1) if row[-1].startswith("replaced") else row[-1]
         for row, s in zip(rows, self.sites):
             if self.times(s) > 1:
                 row[-1] += f" (x{self.times(s)}: its graph runs {self.times(s)} times a call)"

@@ -308,3 +308,31 @@ def test_cli_audit_in_bf16_under_inductor_passes_at_seeds_0_to_4(capsys):
         params = out.partition("## Parameters")[2]
         assert "| compile |" in params and "the model on 16 batches" in out
         assert re.search(r"\| loss \| \[\] \| float32 \| [0-9.e-]+ \| [0-9.e-]+ \| [0-9.e-]+ \|", params), params
+
+
+def test_cli_audit_checks_its_output_paths_before_the_work(tmp_path, monkeypatch, capsys):
+    """A report path in a folder that does not exist is a bad invocation (exit 2) said before any
+    model is built; a report that cannot be written after the work exits 3 (1 means less accurate),
+    the verdict printed first; progress bars are left to tqdm's terminal check."""
+    calls = []
+
+    def fake_audit(model, **kw):
+        calls.append(kw)
+        (tmp_path / "gone").rmdir()  # the folder vanishes while the audit runs
+        return ModelAudit(model="M", dtype="float32", device="cpu", backend="eager", reference="float64")
+
+    monkeypatch.setattr(kernelgraft, "audit", fake_audit)
+    for flag in ("--out", "--md"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["audit", flag, str(tmp_path / "missing" / "a.report")])
+        assert e.value.code == 2 and not calls
+        assert f"{flag} {tmp_path / 'missing' / 'a.report'}: the folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["audit", "--md", str(tmp_path)])
+    assert e.value.code == 2 and "is a folder" in capsys.readouterr().err
+    (tmp_path / "gone").mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["audit", "--batches", "1", "--md", str(tmp_path / "gone" / "a.md")])
+    assert e.value.code == 3 and len(calls) == 1 and calls[0]["progress"] is None
+    io = capsys.readouterr()
+    assert "verdict: ok" in io.out and "--md" in io.err and "could not write the report" in io.err

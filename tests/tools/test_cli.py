@@ -55,7 +55,8 @@ def test_patterns_prints_each_spellings_source_exactly():
             block.append(lines[i][6:])
             i += 1
         assert "\n".join(block) + "\n" == textwrap.dedent(inspect.getsource(sp.fn)), sp.qualname
-    assert i == len(lines)
+    # then the graph rewrites, a line each
+    assert lines[i].startswith("graph rewrites") and len(lines) == i + 1 + len(kernelgraft.rewriter.REWRITES)
 
 
 def test_usage_errors_exit_2(capsys):
@@ -156,7 +157,7 @@ def test_explain_a_local_checkpoint(tmp_path, capsys):
     assert cli.main(["explain", "--model", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert out.startswith(
-        "kernelgraft: 12 site(s) replaced in 1 graph(s) (gated_mlp: 2, lm_head_ce: 1, rms_norm: 5, rope: 4)\n"
+        "kernelgraft: 12 site(s) would be replaced in 1 graph(s) (gated_mlp: 2, lm_head_ce: 1, rms_norm: 5, rope: 4)\n"
     )
     assert "gated_mlp.silu      model.layers.0.mlp" in out and "gate[2, 16, 96], up[2, 16, 96]" in out
 
@@ -387,7 +388,7 @@ LLAMA_SITES = {"gated_mlp": 2, "lm_head_ce": 1, "rms_norm": 5, "rope": 4}
 def pattern_sites(out: str) -> dict:
     """The site counts of explain's first line, but the attention rewrites' (sdpa, gqa): whether
     they happen depends on the installed transformers (tests/models/test_coverage.py's kernel_sites)."""
-    m = re.match(r"kernelgraft: \d+ site\(s\) replaced in \d+ graph\(s\) \((.*)\)\n", out)
+    m = re.match(r"kernelgraft: \d+ site\(s\) would be replaced in \d+ graph\(s\) \((.*)\)\n", out)
     assert m, out[:500]
     counts = {k: int(v) for k, v in (kv.split(": ") for kv in m[1].split(", "))}
     return {k: v for k, v in counts.items() if k not in ("sdpa", "gqa")}
@@ -499,3 +500,23 @@ def test_explain_every_fully_served_architecture(capfd):
     # most rows are built as the table's were: a choice of config that differs from the table's
     # everywhere (or errors everywhere) would leave nothing compared
     assert compared >= 0.9 * len(rows), compared
+
+
+def test_patterns_lists_every_name_a_report_gives(capsys):
+    from tiny import batch, tiny_model
+
+    from kernelgraft.rewriter import attention, projections
+
+    model = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    model(**batch()).loss.backward()
+    rep = model.kernelgraft_report
+    # the patterns' records, and those of the graph rewrites (attention's masks and heads, fused projections)
+    named = set(rep.counts()) | {s.pattern for s in rep.projections}
+    named |= {attention.PATTERN, attention.GQA_PATTERN, projections.PATTERN}
+    assert cli.main(["patterns"]) == 0
+    out = capsys.readouterr().out
+    listed = {ln[:-1] for ln in out.splitlines() if ln.endswith(":") and not ln.startswith(" ")}
+    rewrites = out.partition("graph rewrites, which reports also name")[2].splitlines()[1:]
+    listed |= {ln.split(".")[0].strip() for ln in rewrites}
+    assert named <= listed, named - listed
+    assert [ln.split(":")[0].strip() for ln in rewrites] == list(kernelgraft.rewriter.REWRITES)

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The torch release kernelgraft is tested with on CPU machines; override for another build, e.g.
 #   make test TORCH_SPEC='torch>=2.6'
 TORCH_SPEC ?= torch==2.13.0
-# test processes (pytest-xdist): the default suite takes about 14-15 min in two on a 2-core machine
+# test processes (pytest-xdist): the default suite takes about 20-25 min in two on a 2-core machine
 TEST_WORKERS ?= 2
 # The GPU tests in two tiers, each part fitting a 10-minute command on one GPU. gpu-test: every test
 # marked gpu once, the default hypothesis profile, GPU_WORKERS pytest processes sharing the GPU.

@@ -6,8 +6,10 @@ with `python tests/kernels/kernel_digests.py --write` and say why in the commit.
 import json
 
 import kernel_digests
+import pytest
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_generated_sources_are_the_recorded_ones():
     stored = json.loads(kernel_digests.STORED.read_text())
     now = kernel_digests.digests()

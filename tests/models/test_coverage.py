@@ -187,6 +187,7 @@ def coverage_table() -> str:
     return "\n".join(rows)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_readme_table_is_current():
     text = README.read_text()
     m = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), text, re.S)

@@ -62,6 +62,7 @@ def no_failures_yet(monkeypatch):
     monkeypatch.setattr(fallback, "_FAILED_SITES", {})
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_two_threads_train_two_optimized_models_as_one_thread_does(no_failures_yet):
     seeds = (1, 5)
     stock = tiny_model("llama")

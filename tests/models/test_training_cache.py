@@ -4,6 +4,7 @@ the cache is kept."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny import batch, compare_models, tiny_model
 
@@ -38,6 +39,7 @@ def test_layers_as_separate_graphs_compile_once_and_train_by_the_rule():
     assert not bad and len(verdicts) == 1 + len(list(stock.parameters())), "\n".join(bad)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_what_the_caller_asks_of_the_cache_is_kept():
     mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", offload=True)
     b = batch()

@@ -50,6 +50,7 @@ def test_every_directory_the_cache_creates_is_private_whatever_the_umask(tmp_pat
         assert stat.S_IMODE(p.stat().st_mode) == 0o700, p
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_a_fresh_cache_under_umask_002_gives_every_kernel_and_trains(tmp_path):
     """A fresh process as an ordinary Debian/Ubuntu user runs it (umask 002, a new cache): every site
     served, one training step with the default (inductor) backend, no warning. (Under 022 the rest
@@ -306,6 +307,7 @@ def test_a_forward_hook_registered_after_the_first_call_runs():
     assert mine.kernelgraft_report.counts() == FULL
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_a_removed_hook_stops_running_and_a_global_hook_added_later_runs():
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")

@@ -92,6 +92,7 @@ def grads(model, b) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_bf16_and_lora_adapters_by_the_rule_and_as_without_offloading():
     from peft import LoraConfig, get_peft_model
 

@@ -403,6 +403,10 @@ def test_dora_merged_adapters_and_an_lm_head_in_modules_to_save():
     str.startswith, which dynamo does not trace), so no adapter is served, and explain says why:
     the graph breaks with their reasons. Merged adapters: plain linear layers, nothing of LoRA left,
     every other site served. An LM head in modules_to_save: served, with the adapters."""
+    # dynamo's caches as a fresh process has them: the graph breaks here leave each piece of the
+    # model to dynamo's per-function recompile limit, which the tests before this one in a worker
+    # process may have spent on the same transformers functions
+    torch._dynamo.reset()
     try:
         dora = kernelgraft.explain(_lora("llama", torch.bfloat16, use_dora=True), **batch())
     finally:

@@ -296,15 +296,20 @@ def test_the_loss_and_the_gradients_are_judged_over_every_batch():
 
 
 @pytest.mark.slow  # five audits of about 50 s each on a 2-core CPU
-def test_cli_audit_in_bf16_under_inductor_passes_at_seeds_0_to_4(capsys):
+def test_cli_audit_in_bf16_under_inductor_passes_at_seeds_0_to_4():
     """A documented configuration: on one batch, its loss (one number) and norm weights (a few
     dozen) missed the rule at seeds 0 and 2 by a draw of the rounding, as the stock model under
     torch.compile misses it against eager (5.5x the bound at seed 0); judged over 16 batches and
     beside torch.compile, as the rule reads, every seed passes."""
-    for seed in range(5):
-        rc = cli.main(["audit", "--arch", "llama", "--backend", "inductor", "--dtype", "bfloat16", "--seed", str(seed)])
-        out = capsys.readouterr().out
-        assert rc == 0, out
+    import subprocess
+    import sys
+
+    for seed in range(5):  # each in a process of its own, as a user runs it (and five audits' graphs
+        # stay out of this worker's dynamo caches)
+        cmd = ["audit", "--arch", "llama", "--backend", "inductor", "--dtype", "bfloat16", "--seed", str(seed)]
+        r = subprocess.run([sys.executable, "-m", "kernelgraft", *cmd], capture_output=True, text=True, timeout=900)
+        out = r.stdout
+        assert r.returncode == 0, (out[-3000:], r.stderr[-2000:])
         params = out.partition("## Parameters")[2]
         assert "| compile |" in params and "the model on 16 batches" in out
         assert re.search(r"\| loss \| \[\] \| float32 \| [0-9.e-]+ \| [0-9.e-]+ \| [0-9.e-]+ \|", params), params

@@ -8,6 +8,7 @@ import torch
 # The shared test modules (tiny models, the op checks, the Trainer's helpers, the subprocess workers)
 # live in tests/helpers/: on the path, every test folder imports them by name.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+from run_record import of_part, part  # noqa: E402  (on the path from the line above)
 
 # Hypothesis: a small profile in CI (CPU, Triton interpreter), a thorough one on the GPU.
 try:
@@ -56,12 +57,9 @@ def pytest_configure(config):
 
 def _part(spec: str) -> tuple[int, int]:
     try:
-        k, n = (int(v) for v in spec.split("/"))
-    except ValueError:
-        raise pytest.UsageError(f"--part wants K/N (two integers, e.g. 2/4), got {spec!r}") from None
-    if not 1 <= k <= n:
-        raise pytest.UsageError(f"--part K/N needs 1 <= K <= N, got {spec!r}")
-    return k, n
+        return part(spec)
+    except ValueError as e:
+        raise pytest.UsageError(f"--part {e}") from None
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
@@ -69,9 +67,7 @@ def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--part")
     if spec:
         k, n = _part(spec)
-        # every N-th of the selected tests: the parts about as long, a parametrized test's cases
-        # spread over them
-        keep = set(items[k - 1 :: n])
+        keep = set(of_part(items, k, n))
         dropped = [it for it in items if it not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)

@@ -361,8 +361,8 @@ class RewriteReport:
         """This report's records as text under `headline` (each kind's section of a split report)."""
         out = [headline]
         rows = [s.row() for s in self.sites + self.fallbacks]
-        for row in rows:  # a dry run's sites are what a real run would replace
-            row[-1] = row[-1].replace("replaced", self._replaced, 1) if row[-1].startswith("replaced") else row[-1]
+        for row in rows if self.dry_run else ():  # a dry run's sites are what a real run would replace
+            row[-1] = "would be " + row[-1] if row[-1].startswith("replaced") else row[-1]
         for row, s in zip(rows, self.sites):
             if self.times(s) > 1:
                 row[-1] += f" (x{self.times(s)}: its graph runs {self.times(s)} times a call)"

@@ -4,7 +4,6 @@ which spellings a part takes, the record it writes, and `make gpu-test-thorough`
 import argparse
 import json
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -87,7 +86,6 @@ def test_a_run_without_failures_exits_0_and_counts_cut_short_and_errors():
     assert rec["failures"] == [f"{TEST}[a.z]"] and rec["spellings"][1]["cases"] == ">= 100"
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 @pytest.mark.parametrize(
     "args, part_arg, loop",
     [(["PART=2"], "2/4", None), (["PART=3/5"], "3/5", None), ([], "$k/4", "seq 1 4"),

@@ -50,19 +50,14 @@ def spellings(only: str) -> list[str]:
 
 
 def part(spec: str) -> tuple[int, int]:
-    """(K, N) of `--part K/N`, 1 <= K <= N (argparse's type: a malformed one is a usage error)."""
+    """(K, N) of `--part K/N` (argparse's type: a malformed one is a usage error)."""
     try:
-        k, n = (int(v) for v in spec.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants K/N (two integers, e.g. 2/4), got {spec!r}") from None
-    if not 1 <= k <= n:
-        raise argparse.ArgumentTypeError(f"K/N needs 1 <= K <= N, got {spec!r}")
-    return k, n
+        return run_record.part(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def of_part(names: list[str], k: int, n: int) -> list[str]:
-    """The K-th of N parts: every N-th name from the K-th, as tests/conftest.py's --part takes tests."""
-    return names[k - 1 :: n]
+of_part = run_record.of_part  # as tests/conftest.py's --part takes tests
 
 
 def summarize(qualname: str, text: str, rc: int) -> tuple[str, str]:

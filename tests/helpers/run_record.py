@@ -31,6 +31,23 @@ COUNTS = ("passed", "failed", "xfailed", "xpassed", "skipped", "errors")
 SLOWEST = 20
 
 
+def part(spec: str) -> tuple[int, int]:
+    """(K, N) of a part spec "K/N", 1 <= K <= N; ValueError saying what is wrong otherwise."""
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"wants K/N (two integers, e.g. 2/4), got {spec!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"K/N needs 1 <= K <= N, got {spec!r}")
+    return k, n
+
+
+def of_part(items: list, k: int, n: int) -> list:
+    """The K-th of N parts: every N-th item from the K-th (the parts about as long, a parametrized
+    test's cases spread over them)."""
+    return items[k - 1 :: n]
+
+
 def today() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 

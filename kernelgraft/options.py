@@ -126,6 +126,16 @@ class Options:
     checkpoints off the device. It replaces Hugging Face's gradient checkpointing where that is on.
     `None`: on where `memory` needs it."""
 
+    capture: str = "whole"
+    """How the model is captured. `"whole"`: the model in one graph (every layer traced, rewritten
+    and compiled on its own: the first call's compile grows with depth; fusions cross the layers'
+    boundaries). `"layers"`: its decoder layers (the model's layer stack: the `nn.ModuleList` of one
+    class that its config's layer count names) through one compiled graph per layer class, which
+    serves every layer: dynamo, the rewriter and inductor run once for it, whatever the depth, and
+    the rest of the model (embeddings, final norm, LM head and loss) is captured around them; a
+    model without a layer stack is captured whole, and the report says why. `offload` (and a
+    `memory` that offloads) captures the layers so whatever this says."""
+
     tile_tokens: int | None = None
     """Training graphs: the token-wise regions (norms, projections, gated MLPs, residual adds) whose
     intermediates would exceed their share of memory run over tiles of this many tokens of the
@@ -227,17 +237,19 @@ class Options:
         budget = self.memory
         if budget is not None and budget != "auto" and not _size(budget, 2**30):
             raise ValueError(
-                f"kernelgraft: memory must be a positive, finite budget in GiB, \"auto\" or None, got {budget!r}"
+                f'kernelgraft: memory must be a positive, finite budget in GiB, "auto" or None, got {budget!r}'
             )
         if self.offload is not None and not isinstance(self.offload, bool):
             raise ValueError(f"kernelgraft: offload must be True, False or None, got {self.offload!r}")
+        if self.capture not in ("layers", "whole"):
+            raise ValueError(f'kernelgraft: capture must be "layers" or "whole", got {self.capture!r}')
         tile = self.tile_tokens
         if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
             raise ValueError(f"kernelgraft: tile_tokens must be a positive number of tokens or None, got {tile!r}")
         mem = self.lm_head_memory
         if mem is not None and mem != "min" and not _size(mem, 2**30):
             raise ValueError(
-                f"kernelgraft: lm_head_memory must be a positive, finite budget in GiB, \"min\" or None, "
+                f'kernelgraft: lm_head_memory must be a positive, finite budget in GiB, "min" or None, '
                 f"got {mem!r}"
             )
         if mem is not None and chunk is not None:

@@ -19,6 +19,7 @@ import shutil
 import stat
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -27,6 +28,8 @@ from .fallback import warn_once
 from .launching import INTERPRETER
 
 _SEAL = "# kernelgraft-sha256: "
+# this process's loads of generated kernels: "hit" (the cached file was intact) or "written"
+STATS: Counter = Counter()
 
 
 def cache_dir() -> Path:
@@ -156,7 +159,9 @@ def load_module(name: str, source: str, *, interpret: bool = False):
     functions: the interpreter cannot run a compiled JITFunction, and one process runs both."""
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = _safe_dir() / f"{name}_{key}.py"
-    if not _intact(path):
+    intact = _intact(path)
+    STATS["hit" if intact else "written"] += 1
+    if not intact:
         kind = _kind(path)
         if kind:
             warn_once(

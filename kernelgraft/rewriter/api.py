@@ -17,10 +17,10 @@ from ..kernels import explain_withheld
 from ..kernels.fallback import warn_once
 from ..options import Options, with_options_help
 from . import memory as _memory
-from . import runs
+from . import runs, startup
 from .backend import DECODING, Grafter
-from .offload import OffloadedLayers, layer_stacks, no_cache_in_training, own_checkpointing, sharded
-from .offload import decodes as _decodes
+from .layers import capture_layers, layer_stacks, no_cache_in_training, own_checkpointing, pass_over, sharded
+from .layers import decodes as _decodes
 from .report import RewriteReport, graph_break_reasons
 
 
@@ -36,6 +36,7 @@ def optimize(
     lm_head_memory: float | str | None = Options.lm_head_memory,
     memory: float | str | None = Options.memory,
     offload: bool | None = Options.offload,
+    capture: str = Options.capture,
     tile_tokens: int | None = Options.tile_tokens,
     causal_attention: bool = Options.causal_attention,
     recompute: bool | str = Options.recompute,
@@ -86,6 +87,7 @@ def optimize(
         lm_head_memory=lm_head_memory,
         memory=memory,
         offload=offload,
+        capture=capture,
         tile_tokens=tile_tokens,
         causal_attention=causal_attention,
         recompute=recompute,
@@ -100,8 +102,10 @@ def optimize(
     runs.LIVE.add(grafter)
     runs.watch()
     compiled = _Compiled(grafter, dynamic, f"{type(model).__name__}@{id(model):x}")
-    if options.offload:
-        _offload(compiled, model)
+    if options.capture == "layers" or options.offload:
+        capture_layers(compiled, model)
+    else:
+        grafter.report.captured_as = dict(kind="whole", why='as capture="whole" asks')
     model._compiled_call_impl = functools.partial(_call, compiled, model)
     model.kernelgraft_report = grafter.report
     settings = dict(dataclasses.asdict(options), patterns=patterns, dynamic=dynamic)  # optimize()'s arguments
@@ -151,7 +155,8 @@ class _Compiled:
 
     def __init__(self, grafter: Grafter, dynamic: bool | None, tag: str):
         self.grafter, self.dynamic, self.tag = grafter, dynamic, tag
-        self.layers = None  # offload.OffloadedLayers, where layers are offloaded
+        self.layers = None  # layers.LayerStack, where the layers are captured per class
+        self.clock = startup.Clock()  # the first calls' timings, for the report
         self.memory_chosen = False  # Options.memory's levers chosen (at the first training call)
         self.layered = None  # whether FSDP2 sharded its layers (looked at the first training call)
         self.dicts: tuple = ()
@@ -216,7 +221,7 @@ def _without_added(model):
     call = model.__dict__.get("_compiled_call_impl")
     layers = getattr(getattr(call, "args", (None,))[0], "layers", None)
     saved = {k: model.__dict__.pop(k) for k in _ADDED if k in model.__dict__}
-    if layers is not None:  # offloaded layers' calls: the copy offloads its own
+    if layers is not None:  # the layers' calls: the copy makes its own
         layers.remove()
     try:
         yield
@@ -272,48 +277,6 @@ def _call(compiled, model, *args, **kwargs):
     return _run(compiled, model, *args, **kwargs)
 
 
-def _offload(compiled, model, rejected: dict | None = None) -> None:
-    """Offloaded layers for `model`, each compiled by the model's own backend (Options.offload);
-    the candidates in `rejected` passed over."""
-    compile_layer = functools.partial(torch.compile, backend=compiled.grafter, dynamic=compiled.dynamic)
-    layers = OffloadedLayers(model, compile_layer, rejected)
-    layers.offloader.causal = compiled.grafter.options.causal_attention
-    layers.install()
-    compiled.layers = layers
-    compiled.grafter.report.offloaded = dict(
-        path=layers.path, layers=len(layers.layers), offloader=layers.offloader
-    )
-
-
-def _not_offloaded(compiled, model) -> None:
-    """The offloaded stack's first training call showed it is not the model's layers: the next
-    candidate is offloaded from the next call on, or where there is none the model runs without
-    offload (an error where offload=True was asked for); the model is captured anew either way,
-    and the report says what was passed over and why."""
-    layers, rep = compiled.layers, compiled.grafter.report
-    layers.remove()
-    rejected = {**layers.rejected, layers.path: layers.offloader.not_a_stack}
-    compiled.layers, rep.offloaded = None, {}
-    compiled.fn = compiled._entry()  # the layers' calls were graph breaks of the model's capture
-    rep.forget_captures()
-    note = (
-        f"offload: {layers.path} ({len(layers.layers)} {type(layers.layers[0]).__name__}) is not the model's "
-        f"layer stack: its first training call {layers.offloader.not_a_stack}"
-    )
-    try:
-        _offload(compiled, model, rejected)
-    except ValueError:
-        if compiled.grafter.options.offload:
-            raise
-        note += "; no other stack: the model runs without offload"
-        if rep.memory is not None and rep.memory.offload:
-            rep.memory.offload = False
-            rep.memory.why.append("Not offloaded after all: the model has no layer stack (see the notes).")
-    else:
-        note += f"; {compiled.layers.path} is offloaded instead"
-    rep.notes.append(note)
-
-
 def _choose_memory(compiled, model, args, kwargs) -> None:
     """Options.memory's levers, from the first training call's tokens (memory.choose); offload only
     where the model has a layer stack."""
@@ -333,7 +296,9 @@ def _choose_memory(compiled, model, args, kwargs) -> None:
         tile_tokens=choice.tile_tokens, lm_head_memory=choice.lm_head_memory
     )
     if choice.offload and compiled.layers is None:
-        _offload(compiled, model)
+        capture_layers(compiled, model, offload=True)
+    elif choice.offload:
+        compiled.layers.offload = True
 
 
 def _run(compiled, model, *args, **kwargs):
@@ -347,8 +312,8 @@ def _run(compiled, model, *args, **kwargs):
     if compiled.layers is not None:
         with own_checkpointing(compiled.layers):
             out = _run_compiled(compiled, model, *args, **kwargs)
-        if compiled.layers.offloader.not_a_stack:
-            _not_offloaded(compiled, model)
+        if compiled.layers.not_a_stack:
+            pass_over(compiled, model)
         return out
     return _run_compiled(compiled, model, *args, **kwargs)
 
@@ -356,6 +321,7 @@ def _run(compiled, model, *args, **kwargs):
 def _run_compiled(compiled, model, *args, **kwargs):
     grafter = compiled.grafter
     decoding, caller, before = DECODING.set(_decodes(kwargs)), runs.CALLER.set(grafter), runs.runs(grafter)
+    taken = compiled.clock.before(grafter)
     try:
         # floats as numbers, hooks guarded, logging calls no graph break, room for every live model
         with capture_settings(models=_pow2(len(runs.LIVE))):
@@ -366,6 +332,7 @@ def _run_compiled(compiled, model, *args, **kwargs):
         runs.CALLER.reset(caller)
     runs.check(grafter, model, before, args, kwargs)
     runs.times(grafter, before, kind)
+    compiled.clock.after(grafter, taken, kind)
     rep = model.kernelgraft_report
     if rep.graphs != rep.hooks_seen_at:  # a new capture: look for what breaks graphs (rarely run)
         rep.hooks_seen_at = rep.graphs

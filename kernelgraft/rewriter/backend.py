@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import time
 from collections import Counter
 
 import torch
@@ -91,6 +92,10 @@ class Grafter:
         self.limit_hits: list[str] = []  # dynamo's recompile limits hit in its model's calls
         self.graph_runs: list[int] = []  # runs of each compiled graph (runs.counted), by their order
         self.graph_keys: list = []  # and the capture each belongs to
+        self.rewrite_seconds = 0.0  # time spent in the pipeline (graft), for the report's startup lines
+        # graph nodes handed to the pipeline and to the lowering (inductor's or eager's): the work of
+        # capture, which capture="layers" keeps from growing with depth
+        self.nodes: Counter = Counter()
         self._grafted_whole = False  # set while DDP's pieces of an already grafted graph come in
         ddp.install()
 
@@ -109,6 +114,14 @@ class Grafter:
         return "decoding" if DECODING.get() else "evaluation"
 
     def _graft(self, gm, runtime_masks: bool) -> RewriteReport:
+        start = time.perf_counter()
+        self.nodes["rewritten"] += len(gm.graph.nodes)
+        try:
+            return self._pipeline(gm, runtime_masks)
+        finally:
+            self.rewrite_seconds += time.perf_counter() - start
+
+    def _pipeline(self, gm, runtime_masks: bool) -> RewriteReport:
         return graft(
             gm,
             self.spellings,
@@ -143,6 +156,7 @@ class Grafter:
         return MaskChecked(checks, compiled, functools.partial(self._fallback, stock))
 
     def _lower(self, gm, example_inputs):
+        self.nodes["lowered"] += len(gm.graph.nodes)
         if self.options.backend == "inductor" and not self.dry_run:
             if not self.options.inductor_launches:
                 return self._inductor(gm, example_inputs, launch=False)

@@ -1,14 +1,8 @@
 """Offloaded activations: each decoder layer of a training step keeps only its input for the
 backward, in pinned host memory, and runs again in the backward (Options.offload).
 
-A model's decoder layers are its layer stack: the `nn.ModuleList` or `nn.Sequential` of one class
-with the most parameters, of the length its config gives where it gives one (every Hugging Face
-decoder keeps them so: `model.layers`, `transformer.h`...), whose first training call returns its
-hidden states in their shape; a stack that does not is passed over for the next (api.py), and the
-report says so. Each layer's `forward` is replaced, on the instance, by a call that the model's
-captured graph does not trace into (a graph break at each layer, as FSDP2's per-layer hooks make):
-the layer itself is compiled by the model's own backend, one graph for every layer. In a training
-call the layer runs through `_Checkpoint`:
+The layers are those layers.py captures per class (a layer's call is a graph break of the model's
+capture, its graph one for every layer). In a training call the layer runs through `_Checkpoint`:
 
     forward   the layer under no_grad (its graph grafted as a training one); its input copied to
               a pinned host buffer on a stream of its own (the next layers run meanwhile); the
@@ -27,61 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import weakref
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .._dynamo import fresh_entry
-from .attention import is_causal_mask
-from .backend import CHECKPOINTED, LAYERS
-
-
-def layer_stacks(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], str]:
-    """The containers that may be the model's decoder layer stack, best first, and where there is
-    none, why. A candidate is an `nn.ModuleList` or `nn.Sequential` of two or more modules of one
-    class; where the model's config gives its number of layers, only a candidate that long (a vision
-    tower's layers, a layer's experts or a model's output heads are other lists); the most
-    parameters first. What its first training call returns decides (`_not_a_layer`)."""
-    count, found, other = layer_count(model), [], []
-    for path, m in model.named_modules():
-        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) or len(m) < 2:
-            continue
-        kinds = {type(c) for c in m}
-        if len(kinds) != 1 or issubclass(type(m[0]), (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            continue  # modules of several classes, or lists that no call runs
-        size = sum(p.numel() for p in m.parameters())
-        (found if count is None or len(m) == count else other).append((-size, path or "<top>", m))
-    found.sort(key=lambda f: f[0])  # stable: of equal sizes, the first in the model
-    if found:
-        return [(path, m) for _, path, m in found], ""
-    if other:
-        lists = ", ".join(f"{path} ({len(m)} {type(m[0]).__name__})" for _, path, m in other)
-        return [], f"{lists}: not the {count} layers its config gives"
-    return [], "no nn.ModuleList or nn.Sequential holds modules of one class"
-
-
-def layer_count(model: torch.nn.Module) -> int | None:
-    """The number of decoder layers the model's (text) config gives; None where it gives none."""
-    cfg = getattr(model, "config", None)
-    text = getattr(cfg, "get_text_config", None)
-    cfg = text() if callable(text) else cfg
-    for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-        try:
-            value = getattr(cfg, name, None)
-        except (AttributeError, RuntimeError):  # a per-layer attribute a heterogeneous config refuses
-            continue
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    """(path, container) of the model's decoder layers, as `layer_stacks` ranks them first; None
-    where the model has none."""
-    stacks, _ = layer_stacks(model)
-    return stacks[0] if stacks else None
+from .backend import CHECKPOINTED
 
 
 @dataclasses.dataclass
@@ -106,12 +51,7 @@ class Offloader:
         self.pool: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> free pinned buffers
         self.calls: list[weakref.ref] = []  # the live graphs' layer calls (_Call), in forward order
         self.bytes = 0  # host bytes in use now
-        self.causal = True  # causal masks dropped from the layers' calls (Options.causal_attention)
-        self.mask_verdict: tuple = (None, lambda: None, False)  # (key, weak ref, causal) of the last mask
-        self.masks = [0, 0]  # masks checked: [causal, not causal]
         self.peak_bytes = 0
-        # why the stack is not the model's layers, from its first training call ("": it is; None: no call yet)
-        self.not_a_stack: str | None = None
 
     def _stream(self, device: torch.device):
         if device.type != "cuda":
@@ -293,92 +233,12 @@ def _autocast_state(tensors) -> list[tuple[str, dict]]:
     ]  # fmt: skip
 
 
-class OffloadedLayers:
-    """The model's decoder layers, each called through `_call` (installed by `install`, undone by
-    `remove`). `rejected`: the paths of candidates whose first training call showed they are not
-    the stack (path -> why), passed over."""
-
-    def __init__(self, model: torch.nn.Module, compile_layer, rejected: dict | None = None):
-        self.rejected = dict(rejected or {})
-        stacks, why = layer_stacks(model)
-        stacks = [s for s in stacks if s[0] not in self.rejected]
-        if not stacks:
-            shown = [f"{path}: its first training call {reason}" for path, reason in self.rejected.items()]
-            why = "; ".join(shown) or why
-            raise ValueError(
-                f"kernelgraft: offload=True needs decoder layers (an nn.ModuleList or nn.Sequential of one "
-                f"class, each layer's output the shape of its input) in {type(model).__name__}, and found "
-                f"none: {why}. Leave offload at None or False for this model"
-            )
-        self.path, self.layers = stacks[0]
-        self.offloader = Offloader()
-        self.compile_layer = compile_layer
-        self.calls: list = []  # each layer's call, made once (each holds its compiled forward)
-        self.installed = False
-
-    def install(self) -> None:
-        if self.installed:
-            return
-        if not self.calls:
-            # one entry of the model's own for its layers' forward (their class's, not the call put on
-            # each instance): one graph serves every layer, and no other model shares its cache
-            cls = type(self.layers[0])
-            call = "layer_forward(module, *args, **kwargs)"
-            entry = self.compile_layer(
-                fresh_entry(f"{cls.__name__} layers", call, {"layer_forward": cls.forward})
-            )
-            for layer in self.layers:
-                run = functools.partial(_in_layers, f"{self.path}.*", entry, layer)
-                # the model's graph breaks here: the layer runs its own compiled graph, checkpointed
-                call = functools.partial(_call, layer, run, self.offloader, layer is self.layers[0])
-                self.calls.append(torch._dynamo.disable(call))
-        for layer, call in zip(self.layers, self.calls):
-            layer.forward = call
-        self.installed = True
-
-    def remove(self) -> None:
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
-        self.installed = False
-
-
-def _in_layers(path: str, entry, layer, *args, **kwargs):
-    """The layer's compiled entry, its captures' records read as paths under `path`."""
-    mark = LAYERS.set(path)
-    try:
-        return entry(layer, *args, **kwargs)
-    finally:
-        LAYERS.reset(mark)
-
-
 _TENSOR = object()  # where an output leaf is one of the checkpoint's tensors
 
 
-def _causal_mask_dropped(offloader, kwargs: dict) -> dict:
-    """The layer's call without its attention mask where that mask is the causal one (attention then
-    runs causal without reading it: transformers' SDPA path sets is_causal for a missing mask). The
-    mask reaches each layer's own graph as an input, where it cannot be proven causal; checked here
-    once per mask (one synchronization a step: every layer shares it)."""
-    mask = kwargs.get("attention_mask")
-    if not offloader.causal or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return kwargs
-    key = (id(mask), mask._version)
-    if offloader.mask_verdict[0] != key or offloader.mask_verdict[1]() is not mask:
-        with torch.no_grad():
-            ok = is_causal_mask(mask, mask.shape[-2], mask.shape[-1])
-        offloader.mask_verdict = (key, weakref.ref(mask), ok)
-        offloader.masks[0 if ok else 1] += 1
-    return {**kwargs, "attention_mask": None} if offloader.mask_verdict[2] else kwargs
-
-
-def _call(layer, run, offloader, first, *args, **kwargs):
-    """A decoder layer's call in place of its forward: checkpointed with its input offloaded in a
-    training call, else the compiled layer as it is. `first`: the stack's first layer, whose call
-    starts a forward."""
-    kwargs = _causal_mask_dropped(offloader, kwargs)
-    # a stack its first training call showed is none runs as it is, until the model's call is done
-    if not (torch.is_grad_enabled() and layer.training) or offloader.not_a_stack:
-        return run(*args, **kwargs)
+def checkpointed(run, offloader: Offloader, first: bool, args: tuple, kwargs: dict):
+    """`run(*args, **kwargs)` for a training call, through `_Checkpoint`: its input offloaded, the
+    layer run again in the backward. `first`: the stack's first layer, whose call starts a forward."""
     flat, spec = pytree.tree_flatten((args, kwargs))
     shape = {}
 
@@ -392,72 +252,4 @@ def _call(layer, run, offloader, first, *args, **kwargs):
     # first layer reads frozen embeddings): its parameters' gradients come from the backward's run
     anchor = torch.empty(0, requires_grad=True)
     outs = iter(_Checkpoint.apply(traced, offloader, spec, len(args), first, anchor, *flat))
-    out = pytree.tree_unflatten([next(outs) if v is _TENSOR else v for v in shape["leaves"]], shape["spec"])
-    if offloader.not_a_stack is None:
-        offloader.not_a_stack = _not_a_layer(args, kwargs, out)
-    return out
-
-
-def _not_a_layer(args, kwargs, out) -> str:
-    """Why a call's module is not a decoder layer (its hidden states, the first positional tensor or
-    `hidden_states`, come out in another shape, as an output head's logits do); "" where it is."""
-    given = [*args[:1], kwargs.get("hidden_states")]
-    hidden = next((t for t in given if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-    made = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
-    if hidden is None or made is None:
-        return "takes or returns no hidden states (a floating point tensor, first or as hidden_states)"
-    if made.shape != hidden.shape:
-        return f"returns {list(made.shape)} for hidden states of {list(hidden.shape)}"
-    return ""
-
-
-def no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:
-    """A training forward of a Hugging Face model whose layers are graphs of their own (`layered`:
-    offloaded layers, FSDP2's sharded ones) gets `use_cache=False` unless the call says otherwise, as
-    under gradient checkpointing: the cache a training step would fill is never read, and its update
-    makes each layer's code depend on the layer's index, so one graph per layer would be compiled
-    until dynamo's limit, and the rest run uncompiled. An explicit `use_cache` or a cache passed in
-    is kept."""
-    if (
-        not layered
-        or "use_cache" in kwargs
-        or decodes(kwargs)
-        or not (model.training and torch.is_grad_enabled())
-    ):
-        return kwargs
-    config = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False) or not hasattr(config, "to_dict"):  # not a transformers config
-        return kwargs
-    return {**kwargs, "use_cache": False}
-
-
-def sharded(model) -> bool:
-    """Whether FSDP2's fully_shard wrapped a module of `model` (its class is then FSDP<name>): each
-    such module's forward is a graph of its own."""
-    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
-
-
-@contextlib.contextmanager
-def own_checkpointing(layers):
-    """Offloaded layers checkpoint themselves: Hugging Face's gradient checkpointing (which Trainer
-    turns on) is off for the call, so that each layer runs once in the forward and once again in the
-    backward, not twice."""
-    flags = [
-        (m, m.gradient_checkpointing) for m in layers.layers if getattr(m, "gradient_checkpointing", False)
-    ]
-    for m, _ in flags:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        for m, on in flags:
-            m.gradient_checkpointing = on
-
-
-def decodes(kwargs) -> bool:
-    """A call that passes a KV cache (`past_key_values`, named `cache` in newer transformers): a
-    step of generate()'s decoding, its prompt included."""
-    return any(
-        v is not None and (k in ("past_key_values", "cache") or hasattr(v, "get_seq_length"))
-        for k, v in kwargs.items()
-    )
+    return pytree.tree_unflatten([next(outs) if v is _TENSOR else v for v in shape["leaves"]], shape["spec"])

@@ -220,10 +220,13 @@ class RewriteReport:
     per_call: dict = field(default_factory=dict, repr=False, compare=False)
     # calls that ran stock code or another model's graphs, by their tensors' shapes, with why (runs.py)
     stock_runs: list = field(default_factory=list, repr=False, compare=False)
-    # what Options.memory chose at the first training call (memory.MemoryChoice), and the offloaded
-    # layers' path and host bytes (offload.py)
+    # what Options.memory chose at the first training call (memory.MemoryChoice)
     memory: object = field(default=None, repr=False, compare=False)
-    offloaded: dict = field(default_factory=dict, repr=False, compare=False)
+    # how the model is captured (Options.capture): {"kind": "layers", "stack": layers.LayerStack}, or
+    # {"kind": "whole", "why": ...} where layers were asked for and the model has no layer stack
+    captured_as: dict = field(default_factory=dict, repr=False, compare=False)
+    # the first call of each kind of graph that compiled: what it spent its time on (startup.Startup)
+    startup: dict = field(default_factory=dict, repr=False, compare=False)
     dry_run: bool = field(default=False, repr=False, compare=False)  # explain's: nothing was replaced
 
     def captures(self) -> list[str]:
@@ -399,17 +402,12 @@ class RewriteReport:
         out = list(self.notes)
         if self.memory is not None:
             out.append(str(self.memory))
-        if self.offloaded:
-            o = self.offloaded
-            out.append(
-                f"offloaded: the {o['layers']} layers of {o['path']} keep their inputs on the host "
-                f"(at most {o['offloader'].peak_bytes / 2**30:.2f} GiB so far) and run again in the backward"
-            )
-            yes, no = o["offloader"].masks
-            if yes or no:
-                out.append(
-                    f"offloaded layers' attention masks: {yes} causal (attention runs causal without them), {no} kept"
-                )
+        how = self.captured_as
+        if how.get("kind") == "whole":
+            out.append(f"captured whole: {how['why']}")
+        elif how:
+            out += how["stack"].report_lines()
+        out += [str(first) for first in self.startup.values()]
         if self.stock_runs:
             out.append(f"calls that did not run what kernelgraft compiled ({len(self.stock_runs)}):")
             out += _items(self.stock_runs)

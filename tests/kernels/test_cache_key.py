@@ -30,6 +30,15 @@ def test_every_family_keys_the_cache():
         assert all(Path(f).is_file() for f in family.cache_files())
 
 
+def test_the_row_kernels_generator_keys_the_cache():
+    """A row kernel's source is generated: the files that generate it key the cache as its launcher's do."""
+    from kernelgraft.kernels import derive, emit
+    from kernelgraft.kernels.rows import codegen
+
+    files = FAMILIES["row"].cache_files()
+    assert {codegen.__file__, derive.__file__, emit.__file__} <= set(files)
+
+
 def test_a_changed_lora_kernel_changes_the_cache_key(tmp_path, monkeypatch):
     _lora_files_at(monkeypatch, tmp_path, "kernel_a.py")
     same = PostGradPass().uuid()

@@ -18,13 +18,15 @@ from kernelgraft.gradcheck import judge
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the qlora extra, which make test installs")
 
 
-def qlora_model(arch: str, compute_dtype, folder, quant_type: str = "nf4", double: bool = True):
+def qlora_model(
+    arch: str, compute_dtype, folder, quant_type: str = "nf4", double: bool = True, layers: int = 2
+):
     """A tiny random `arch` saved to `folder`, loaded back with 4-bit base weights, and peft's LoRA
     (rank 8) on every linear layer. Widths are multiples of bitsandbytes' block of 64."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, layers=layers)
     cfg.intermediate_size = 128
     if not (folder / "config.json").exists():
         torch.manual_seed(0)

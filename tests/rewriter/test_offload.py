@@ -12,7 +12,7 @@ from checks import assert_ok
 from tiny import batch, compare_models, tiny_config, tiny_model
 
 import kernelgraft
-from kernelgraft.rewriter.offload import decoder_layers
+from kernelgraft.rewriter.layers import decoder_layers
 
 
 def names(model) -> list[str]:
@@ -61,7 +61,7 @@ def test_offloaded_layers_train_by_the_rule_and_serve_every_site(backend):
     # every site served as without offloading, counted per step: one layer graph run for each layer
     assert mine.kernelgraft_report.counts() == plain.kernelgraft_report.counts()
     rep = mine.kernelgraft_report
-    assert rep.offloaded["path"] == "model.layers" and rep.offloaded["layers"] == 2
+    assert layers_of(mine).path == "model.layers" and len(layers_of(mine).layers) == 2
     assert "offloaded: the 2 layers of model.layers keep their inputs on the host" in str(rep)
     # the layers' one graph: its records name every layer's module
     assert {r.module for r in rep.sites if r.pattern == "gated_mlp"} == {"model.layers.*.mlp"}
@@ -152,7 +152,7 @@ def test_a_budget_the_step_fits_in_pulls_no_lever():
     assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
     choice = mine.kernelgraft_report.memory
     assert (choice.offload, choice.tile_tokens, choice.lm_head_memory) == (False, None, None)
-    assert layers_of(mine) is None and choice.tokens == 24
+    assert not layers_of(mine).offload and choice.tokens == 24
     assert "no lever" in str(mine.kernelgraft_report) and "The step fits" in str(choice)
 
 
@@ -161,14 +161,14 @@ def test_a_small_budget_offloads_and_says_why():
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=0.001)
     assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
     choice = mine.kernelgraft_report.memory
-    assert choice.offload and layers_of(mine).installed and choice.budget_gib == pytest.approx(0.001)
+    assert choice.offload and layers_of(mine).offload and choice.budget_gib == pytest.approx(0.001)
     # a tile is at least 1024 positions: a 12-token sequence is not tiled, and the report says so
     assert choice.tile_tokens is None and "Not tiled" in str(choice)
     assert choice.lm_head_memory == "min"
     # a lever given its own value keeps it
     kept = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=0.001, offload=False)
     kept(**batch()).loss.backward()
-    assert not kept.kernelgraft_report.memory.offload and layers_of(kept) is None
+    assert not kept.kernelgraft_report.memory.offload and not layers_of(kept).offload
     assert "offload=False as given" in str(kept.kernelgraft_report.memory)
 
 
@@ -182,7 +182,7 @@ def test_memory_is_chosen_at_the_first_training_call_not_at_evaluation():
     assert mine.kernelgraft_report.memory.tokens == 24
 
 
-def test_a_causal_mask_is_checked_once_a_step_and_attention_runs_causal(monkeypatch):
+def test_a_causal_mask_reaching_the_layers_is_checked_and_attention_runs_causal(monkeypatch):
     import transformers.masking_utils as mu
 
     # the full causal mask, as transformers builds it under compile in some releases: it reaches
@@ -191,11 +191,13 @@ def test_a_causal_mask_is_checked_once_a_step_and_attention_runs_causal(monkeypa
     stock = tiny_model("llama")
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)
     assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
-    assert layers_of(mine).offloader.masks == [1, 0]  # one check for both layers' calls
-    assert "offloaded layers' attention masks: 1 causal" in str(mine.kernelgraft_report)
+    checks = mine.kernelgraft_report.mask_checks
+    # the layers' graph checks its mask input at run time: causal in every check
+    assert checks and sum(c.runs[0] for c in checks) >= 1 and sum(c.runs[1] for c in checks) == 0
+    assert "checked at run time" in str(mine.kernelgraft_report)
     kept = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True, causal_attention=False)
     assert_ok(compare_models(kept, stock, batch(), compiled=False), names(stock))
-    assert layers_of(kept).offloader.masks == [0, 0]
+    assert not kept.kernelgraft_report.mask_checks
 
 
 def tiny_jamba():
@@ -278,11 +280,11 @@ def test_the_blocks_of_a_sequential_are_offloaded_not_the_heads_beside_them():
     train_like(mine, stock)
     # the heads hold the most parameters: their first call showed that they are not layers
     rep = mine.kernelgraft_report
-    assert layers_of(mine).path == "blocks" and rep.offloaded["layers"] == 3
+    assert layers_of(mine).path == "blocks" and layers_of(mine).offload and len(layers_of(mine).layers) == 3
     assert layers_of(mine).offloader.peak_bytes == 3 * 2 * 12 * 16 * 4
     assert rep.notes == [
-        "offload: heads (2 Linear) is not the model's layer stack: its first training call returns "
-        "[2, 12, 128] for hidden states of [2, 12, 16]; blocks is offloaded instead"
+        "layers: heads (2 Linear) is not the model's layer stack: its first training call returns "
+        "[2, 12, 128] for hidden states of [2, 12, 16]; blocks is captured per class instead"
     ]
 
 
@@ -291,9 +293,9 @@ def test_heads_are_not_offloaded_as_layers():
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", memory=1e-6)
     train_like(mine, stock)
     rep = mine.kernelgraft_report
-    assert layers_of(mine) is None and not rep.offloaded and not rep.memory.offload
+    assert layers_of(mine) is None and rep.captured_as["kind"] == "whole" and not rep.memory.offload
     said = str(rep)
-    assert "heads (2 Linear) is not the model's layer stack" in said and "runs without offload" in said
+    assert "heads (2 Linear) is not the model's layer stack" in said and "captured whole" in said
     assert "Not offloaded after all" in str(rep.memory)
     # asked for by name: a clear error at the first training call
     asked = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", offload=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import derive, emit, spec
 from ..fallback import generation_failed
 from ..family import Family, KernelSource, Unsupported, defined_ops, register
 from ..spec import halves_refusal
-from . import launch, layout, ops, tuning
+from . import build, codegen, launch, layout, ops, tuning
 from .build import MAX_N, MAX_ROWS, RowKernel, rounds_for, row_kernel
 from .codegen import backward_source, forward_source
 from .ops import GraftedOp, accumulating_input, adding_input, op_for, pair_op_for
@@ -72,7 +73,16 @@ class RowFamily(Family):
     serves = {"norm": ("rms_norm", "layer_norm"), "mlp": ("gated_mlp",), "rope": ("rope",)}
 
     def cache_files(self) -> tuple:
-        return (ops.__file__, launch.__file__, layout.__file__, tuning.__file__, str(tuning.TABLE_PATH))
+        # the generator's files too: a kernel whose source they change is not the one a cached graph ran
+        made = (build.__file__, codegen.__file__, derive.__file__, emit.__file__, spec.__file__)
+        return (
+            ops.__file__,
+            launch.__file__,
+            layout.__file__,
+            tuning.__file__,
+            str(tuning.TABLE_PATH),
+            *made,
+        )
 
     def adding_input(self, spelling, args):
         return adding_input(spelling, args)

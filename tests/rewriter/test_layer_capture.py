@@ -1,0 +1,228 @@
+"""capture="layers": one compiled graph per decoder-layer class serves every layer, so the work of
+capture (the ops dynamo traces, the graph nodes the rewriter and the lowering process) does not grow
+with depth, while every layer's sites are served and the numbers pass the accuracy rule; the report
+says how the model was captured and what its first call spent its time on."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from checks import assert_ok
+from tiny import batch, compare_models, tiny_model
+
+import kernelgraft
+
+HERE = Path(__file__).resolve().parent
+
+
+def grafter_of(model):
+    return model._compiled_call_impl.args[0].grafter
+
+
+def _decode(model, prompt):
+    return model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def capture_work(make, kind: str, capture: str) -> tuple[dict, kernelgraft.RewriteReport, object]:
+    """One call of `kind` ("training", "evaluation", "decoding") of make() optimized with `capture`,
+    from dynamo's fresh state: the work it took (dynamo's traced calls, the nodes rewritten and
+    lowered), its report, and what it returned (loss, logits or tokens)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = kernelgraft.optimize(make(), backend="eager", capture=capture)
+    b = batch()
+    if kind == "training":
+        out = model(**b).loss
+        out.backward()
+    elif kind == "evaluation":
+        with torch.no_grad():
+            out = model(input_ids=b["input_ids"]).logits
+    else:
+        model.eval()
+        out = _decode(model, b["input_ids"][:, :6])
+    g = grafter_of(model)
+    work = dict(
+        traced=counters["stats"]["calls_captured"], rewritten=g.nodes["rewritten"], lowered=g.nodes["lowered"]
+    )
+    return work, model.kernelgraft_report, out
+
+
+def _sites(arch: str, L: int) -> dict:
+    """The row sites a tiny `arch` of L layers has: two norms (and Qwen3's q and k norms), q and k's
+    RoPE and one gated MLP per layer, and the final norm."""
+    norms = 4 if arch == "qwen3" else 2
+    return {"rms_norm": norms * L + 1, "rope": 2 * L, "gated_mlp": L}
+
+
+@pytest.mark.parametrize("kind", ["training", "evaluation", "decoding"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_work_of_capture_does_not_grow_with_depth(arch, kind):
+    work = {}
+    for L in (2, 8):
+        work[L], rep, _ = capture_work(lambda L=L: tiny_model(arch, layers=L), kind, "layers")
+        counts = rep.counts(kind)
+        if kind == "training":  # every layer's sites served: the counts scale with depth
+            assert {k: counts.get(k) for k in _sites(arch, L)} == _sites(arch, L), (L, counts)
+            assert counts.get("lm_head_ce") == 1
+        else:  # evaluation and decoding leave the row sites to nothing here (the eager backend serves them)
+            assert counts.get("rms_norm", 0) in (0, _sites(arch, L)["rms_norm"]), counts
+        assert rep.captured_as["kind"] == "layers"
+    for what in ("traced", "rewritten", "lowered"):
+        assert work[8][what] <= 1.3 * work[2][what], (what, work)
+    assert work[2]["traced"] > 0 and work[2]["rewritten"] > 0
+
+
+def test_captured_whole_the_work_grows_with_depth():
+    """The measure above can fail: the whole model's capture traces every layer."""
+    work = {
+        L: capture_work(lambda L=L: tiny_model("llama", layers=L), "training", "whole")[0] for L in (2, 8)
+    }
+    assert work[8]["traced"] > 2.5 * work[2]["traced"], work
+    assert work[8]["rewritten"] > 2.5 * work[2]["rewritten"], work
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_eight_layers_pass_the_rule_evaluate_and_decode_as_stock(arch):
+    stock = tiny_model(arch, layers=8)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), arch)
+    b = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            mine(input_ids=b["input_ids"]).logits, stock(input_ids=b["input_ids"]).logits
+        )
+    mine.eval(), stock.eval()
+    prompt = b["input_ids"][:, :6]
+    assert torch.equal(_decode(mine, prompt), _decode(stock, prompt))
+    rep = mine.kernelgraft_report
+    assert rep.captured_as["stack"].cache_views[1] == 0  # every layer read its slot: one graph for all
+    said = str(rep)
+    assert "captured per layer class: the 8 layers of model.layers" in said
+    assert "first training call:" in said and "first decoding call:" in said
+
+
+def _lora(make):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(make(), cfg)
+
+
+def test_a_peft_lora_model_is_captured_per_layer_class():
+    work = {}
+    for L in (2, 8):
+        work[L], rep, _ = capture_work(
+            lambda L=L: _lora(lambda: tiny_model("llama", layers=L)), "training", "layers"
+        )
+        assert rep.counts("training").get("lora") == 7 * L and rep.counts("training")["rms_norm"] == 2 * L + 1
+        assert rep.captured_as["stack"].path == "base_model.model.model.layers"
+    for what in ("traced", "rewritten", "lowered"):
+        assert work[8][what] <= 1.3 * work[2][what], (what, work)
+    stock = _lora(lambda: tiny_model("llama", layers=4))
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), "lora")
+
+
+def test_a_qlora_model_is_captured_per_layer_class(tmp_path):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the qlora extra, which make test installs")
+    sys.path.insert(0, str(HERE.parent / "patterns"))
+    from test_qlora import qlora_model
+
+    work = {}
+    for L in (2, 8):
+
+        def make(L=L):
+            return qlora_model("llama", torch.float32, tmp_path / f"q{L}", layers=L)
+
+        work[L], rep, loss = capture_work(make, "training", "layers")
+        assert rep.counts("training")["rms_norm"] == 2 * L + 1 and rep.counts("training").get("lora") == 7 * L
+        assert torch.isfinite(loss)
+    for what in ("traced", "rewritten", "lowered"):
+        assert work[8][what] <= 1.3 * work[2][what], (what, work)
+    stock = qlora_model("llama", torch.float32, tmp_path / "q2", layers=2)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
+    assert_ok(compare_models(mine, stock, batch(), compiled=False, fell_back_ok=False), "qlora")
+
+
+def test_the_report_says_how_the_model_was_captured():
+    whole = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    whole(**batch()).loss.backward()
+    said = str(whole.kernelgraft_report)
+    assert 'captured whole: as capture="whole" asks' in said
+    assert "first training call:" in said and "kernelgraft's rewriting" in said
+    first = whole.kernelgraft_report.startup["training"]
+    assert first.wall > 0 and first.parts["kernelgraft's rewriting"] > 0
+    assert first.wall >= first.parts["kernelgraft's rewriting"]
+    with pytest.raises(ValueError, match="capture must be"):
+        kernelgraft.optimize(tiny_model("llama"), capture="layer")
+    # offload runs each layer as a graph of its own whatever capture says
+    offloaded = kernelgraft.optimize(tiny_model("llama"), backend="eager", offload=True, capture="whole")
+    assert offloaded.kernelgraft_report.captured_as["kind"] == "layers"
+
+
+# ---- a warm start ----------------------------------------------------------------------------------
+
+_STEP = textwrap.dedent(
+    """
+    import hashlib, json, sys, time
+    import torch
+    sys.path.insert(0, {helpers!r})
+    from tiny import batch, tiny_model
+    import kernelgraft
+    from kernelgraft.kernels import cache
+    from torch._dynamo.utils import counters
+
+    model = kernelgraft.optimize(tiny_model("llama", layers=4), capture="layers", lm_head_chunk={chunk})
+    start = time.perf_counter()
+    loss = model(**batch()).loss
+    loss.backward()
+    took = time.perf_counter() - start
+    grads = hashlib.sha256(b"".join(p.grad.numpy().tobytes() for p in model.parameters())).hexdigest()
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    print(json.dumps(dict(
+        loss=loss.item(), grads=grads, took=took,
+        fx_hit=ind["fxgraph_cache_hit"], fx_miss=ind["fxgraph_cache_miss"],
+        aot_hit=aot["autograd_cache_hit"], aot_miss=aot["autograd_cache_miss"],
+        kernels_hit=cache.STATS["hit"], kernels_written=cache.STATS["written"],
+    )))
+    """
+)
+
+
+def _step_in_a_process(caches: Path, chunk: int = 8) -> dict:
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+        TRITON_CACHE_DIR=str(caches / "triton"),
+        KERNELGRAFT_CACHE_DIR=str(caches / "kernelgraft"),
+        TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="1",
+    )
+    code = _STEP.format(helpers=str(HERE.parent / "helpers"), chunk=chunk)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # three processes, each an inductor compile of a training step: over a minute on a 2-core CPU
+def test_a_second_process_with_the_same_caches_compiles_nothing_and_matches_bit_for_bit(tmp_path):
+    cold = _step_in_a_process(tmp_path)
+    assert cold["fx_miss"] > 0 and cold["kernels_written"] > 0
+    warm = _step_in_a_process(tmp_path)
+    assert warm["fx_miss"] == 0 and warm["aot_miss"] == 0 and warm["fx_hit"] + warm["aot_hit"] > 0, warm
+    assert warm["kernels_written"] == 0 and warm["kernels_hit"] > 0, warm
+    assert (warm["loss"], warm["grads"]) == (cold["loss"], cold["grads"])
+    # another option: the graph it makes is another, and compiles anew
+    other = _step_in_a_process(tmp_path, chunk=7)
+    assert other["fx_miss"] > 0 or other["aot_miss"] > 0, other

@@ -9,9 +9,12 @@ Modes: eager, torch.compile, liger, kernelgraft (the inductor backend), unsloth
 "unsloth (checkpointing)" with Unsloth's own gradient checkpointing (use_gradient_checkpointing=
 "unsloth", its default), beside "kernelgraft (checkpointing)": Hugging Face's gradient checkpointing
 (non-reentrant) enabled before kernelgraft.optimize. The plain "unsloth" row has checkpointing off, as
-every other row. Per mode: tokens/s by wall time (the median of --steps timed steps after two
-warm-up steps), the device's time of one step (torch.profiler, the CUDA kernels summed), and the
-peak GiB above what the step started from.
+every other row; "kernelgraft (layers)" captures the decoder layers per class (capture="layers"),
+"kernelgraft" the model whole. Per mode: tokens/s by wall time (the median of --steps timed steps
+after two warm-up steps), the device's time of one step (torch.profiler, the CUDA kernels summed),
+the peak GiB above what the step started from, and the first step's seconds twice: cold, with every
+compile cache (inductor's, Triton's, kernelgraft's, Unsloth's compiled modules) fresh for the mode,
+and warm, in a second process with the caches the first one left.
 
 On the GPU host (no network; .peers filled by `python benchmarks/peers.py download` here, and each of
 its parts carried by a call of its own, installed into one folder kept between the calls):
@@ -51,6 +54,7 @@ PEER_MODES = (
     "torch.compile",
     "liger",
     "kernelgraft",
+    "kernelgraft (layers)",
     "kernelgraft (checkpointing)",
     "unsloth",
     "unsloth (checkpointing)",
@@ -188,7 +192,9 @@ def build(row: str, mode: str, models: str):
         model = suite.build(r["shape"], "eager")
     if checkpointing(mode):
         enable_checkpointing(model)
-    return suite.apply_mode(model, "kernelgraft (inductor)" if mode.startswith("kernelgraft") else mode)
+    if mode.startswith("kernelgraft"):  # the inductor backend, captured whole or per layer class
+        mode = "kernelgraft (inductor, layers)" if "(layers" in mode else "kernelgraft (inductor)"
+    return suite.apply_mode(model, mode)
 
 
 def build_unsloth(row: str, mode: str, models: str):
@@ -231,7 +237,7 @@ def slug(shape: str) -> str:
     return shape.replace(" LoRA", "").replace(" ", "_").replace("/", "_")
 
 
-def measure(model, spec: dict, steps: int, device_steps: int = 3) -> dict:
+def measure(model, spec: dict, steps: int, device_steps: int = 3, first_only: bool = False) -> dict:
     """tokens/s by wall time (median of `steps` timed steps after a first and a warm-up step), the
     peak above each step's start (the largest), the first step's seconds and loss, and the device
     time of one step (suite.device_time over `device_steps` steps)."""
@@ -250,6 +256,8 @@ def measure(model, spec: dict, steps: int, device_steps: int = 3) -> dict:
     t = time.perf_counter()
     loss = step()
     first = time.perf_counter() - t
+    if first_only:
+        return dict(first_step_s=first, loss=loss, **startup(model))
     step()
     torch.cuda.synchronize()
     times, peak = [], 0
@@ -273,10 +281,18 @@ def measure(model, spec: dict, steps: int, device_steps: int = 3) -> dict:
     out.update({k: v for k, v in dev.items() if k != "kernels"})
     if hasattr(model, "kernelgraft_report"):
         out["sites"] = model.kernelgraft_report.counts()
-    return out
+    return {**out, **startup(model)}
 
 
-def run_one(row: str, mode: str, steps: int, models: str) -> dict:
+def startup(model) -> dict:
+    """What kernelgraft's report says of the first calls' time, and how the model was captured."""
+    rep = getattr(model, "kernelgraft_report", None)
+    if rep is None:
+        return {}
+    return dict(startup=[str(x) for x in rep.startup.values()], captured=rep.captured_as.get("kind", "?"))
+
+
+def run_one(row: str, mode: str, steps: int, models: str, first_only: bool = False) -> dict:
     """One (row, mode) in this process."""
     check_mode(row, mode)
     if mode.startswith("unsloth"):
@@ -287,25 +303,55 @@ def run_one(row: str, mode: str, steps: int, models: str) -> dict:
         if not torch.cuda.is_available():
             raise Unavailable(f"the {mode} mode needs a CUDA GPU, and torch sees none")
         model = build(row, mode, models)
-    out = measure(model, SHAPES[ROWS[row]["shape"]], steps)
+    out = measure(model, SHAPES[ROWS[row]["shape"]], steps, first_only=first_only)
     if mode.startswith("unsloth"):
         out["process"] = "own process (Unsloth patches transformers' classes at import)"
     return out
 
 
-def run_in_process(row: str, mode: str, steps: int, models: str, timeout: float = 1800) -> dict:
+def cache_env(folder: str) -> dict:
+    """Every compile cache a mode fills, under `folder`: inductor's (its FX graphs and AOTAutograd's),
+    Triton's, kernelgraft's generated kernels and Unsloth's compiled modules."""
+    return dict(
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(folder, "triton"),
+        KERNELGRAFT_CACHE_DIR=os.path.join(folder, "kernelgraft"),
+        UNSLOTH_COMPILE_LOCATION=os.path.join(folder, "unsloth_compiled_cache"),
+    )
+
+
+def cold_and_warm(row: str, mode: str, steps: int, models: str) -> dict:
+    """The mode measured in a process whose compile caches are fresh (cold), then its first step
+    again in a second process that finds the caches the first left (warm)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kg_caches_") as folder:
+        got = run_in_process(row, mode, steps, models, caches=folder)
+        if "error" not in got:
+            warm = run_in_process(row, mode, steps, models, caches=folder, first_only=True)
+            got["warm_first_step_s"] = warm.get("first_step_s")
+            got["warm_loss"] = warm.get("loss")
+            got["warm_startup"] = warm.get("startup", warm.get("error"))
+    return got
+
+
+def run_in_process(
+    row: str, mode: str, steps: int, models: str, timeout: float = 1800, caches: str | None = None,
+    first_only: bool = False,
+) -> dict:
     """run_one in a fresh Python process (this file with --one) -> its result, or dict(error=...) with
-    the last line it wrote to stderr."""
+    the last line it wrote to stderr. caches: the folder of its compile caches (cache_env; the
+    process runs there, where Unsloth writes its compiled modules)."""
     import tempfile
 
     check_mode(row, mode)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "one.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", row, "--mode", mode, "--steps", str(steps)]
-        cmd += ["--models", models, "--json", path]
-        env = {**os.environ, **OFFLINE}
+        cmd += ["--models", os.path.abspath(models), "--json", path] + (["--first-only"] if first_only else [])
+        env = {**os.environ, **OFFLINE, **(cache_env(caches) if caches else {})}
         try:
-            got = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            got = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=caches)
         except subprocess.TimeoutExpired:
             return dict(error=f"timed out after {timeout:.0f} s")
         if got.returncode == 0 and os.path.exists(path):
@@ -325,17 +371,18 @@ def markdown(doc: dict) -> str:
             "",
             f"### {row}",
             "",
-            "| mode | tokens/s | device ms | peak above start GiB | first step s | loss |",
+            "| mode | tokens/s | device ms | peak above start GiB | first step s (cold) | first step s (warm) | loss |",
         ]
-        L.append("|---|---|---|---|---|---|")
+        L.append("|---|---|---|---|---|---|---|")
         for m, r in modes.items():
             if "error" in r:
-                L.append(f"| {m} | error: {r['error'][:120]} | | | | |")
+                L.append(f"| {m} | error: {r['error'][:120]} | | | | | |")
                 continue
             dev = f"{r['device_ms']:.0f}" if "device_ms" in r else "-"
+            warm = r.get("warm_first_step_s")
             L.append(
                 f"| {m} | {r['tok_s']:,.0f} | {dev} | {r['peak_above_start_gib']:.1f} | {r['first_step_s']:.1f} "
-                f"| {r['loss']:.4f} |"
+                f"| {'-' if warm is None else f'{warm:.1f}'} | {r['loss']:.4f} |"
             )
     return "\n".join(L) + "\n"
 
@@ -355,6 +402,12 @@ def parser() -> argparse.ArgumentParser:
         default="/tmp/kernelgraft_models",
         help="folder of the rows' saved models (default: %(default)s)",
     )
+    ap.add_argument(
+        "--cold-warm",
+        action="store_true",
+        help="each mode with fresh compile caches, then its first step again in a second process (warm)",
+    )
+    ap.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)  # --one: the first step alone
     ap.add_argument("--one", metavar="ROW", help=argparse.SUPPRESS)  # one (row, mode) in this process
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
@@ -383,7 +436,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.one:
         try:
-            got = run_one(a.one, a.mode, a.steps, a.models)
+            got = run_one(a.one, a.mode, a.steps, a.models, first_only=a.first_only)
         except Unavailable as e:
             print(f"bench_unsloth.py: {a.mode}: {e}", file=sys.stderr)
             return 2
@@ -398,7 +451,7 @@ def main(argv=None) -> int:
     doc = dict(provenance(torch.device("cuda"), DISTS), rows={})
     for row in a.row_list:
         for mode in [m for m in (names(a.modes) or ROWS[row]["modes"]) if m in ROWS[row]["modes"]]:
-            got = run_in_process(row, mode, a.steps, a.models)
+            got = (cold_and_warm if a.cold_warm else run_in_process)(row, mode, a.steps, a.models)
             doc["rows"].setdefault(row, {})[mode] = got
             print(row, "|", mode, "|", got, flush=True)
             json.dump(doc, open(os.path.join(a.out, "unsloth.json"), "w"), indent=1)

@@ -26,6 +26,7 @@ from collections import Counter
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from .._dynamo import fresh_entry
 from .backend import LAYERS
@@ -100,6 +101,11 @@ class LayerStack:
         self.not_a_stack: str | None = None
         self.cache_views = [0, 0]  # layer calls with a KV cache: [through LayerCache, with the cache itself]
         self.calls: list = []  # each layer's call, made once (each holds the compiled entry)
+        # hooks on a layer's submodules: dynamo does not guard on them, so such a layer runs an entry
+        # of its own, made for its hooks (index -> (their ids, the entry's run))
+        self.handles = -1  # torch's count of hook handles when the layers' hooks were last read
+        self.hooks: list = []  # each layer's submodules' hook ids, as last read
+        self.hooked: dict = {}
         self.graphs: Counter = Counter()  # graphs compiled for the layers, by kind (report.CAPTURES)
         self.installed = False
 
@@ -120,6 +126,11 @@ class LayerStack:
                 f"offloaded: the {n} layers of {self.path} keep their inputs on the host (at most "
                 f"{self.offloader.peak_bytes / 2**30:.2f} GiB so far) and run again in the backward"
             )
+        hooked = sorted(i for i, ids in enumerate(self.hooks) if ids)
+        if hooked:
+            out.append(
+                f"layers with hooks on their modules, each run through a graph of its own: {', '.join(map(str, hooked))}"
+            )
         viewed, whole = self.cache_views
         if whole:
             out.append(
@@ -132,13 +143,9 @@ class LayerStack:
         if self.installed:
             return
         if not self.calls:
-            # one entry of the model's own for its layers' forward (their class's, not the call put on
-            # each instance): one graph serves every layer, and no other model shares its cache
-            cls = type(self.layers[0])
-            call = "layer_forward(module, *args, **kwargs)"
-            entry = self.compile_layer(
-                fresh_entry(f"{cls.__name__} layers", call, {"layer_forward": cls.forward})
-            )
+            # one entry of the model's own for its layers' forward: one graph serves every layer, and
+            # no other model shares its cache
+            entry = self._entry()
             for i, layer in enumerate(self.layers):
                 run = functools.partial(_in_layers, f"{self.path}.*", entry, layer)
                 # the model's graph breaks here: the layer runs the class's compiled graph
@@ -147,6 +154,29 @@ class LayerStack:
         for layer, call in zip(self.layers, self.calls):
             layer.forward = call
         self.installed = True
+
+    def _entry(self, hooked: int | None = None):
+        """A compiled entry of the layers' class forward (the class's, not the call put on each
+        instance); `hooked`: for that layer alone, made for its submodules' hooks."""
+        cls = type(self.layers[0])
+        name = f"{cls.__name__} layers" if hooked is None else f"{cls.__name__} layer {hooked} (hooked)"
+        call = "layer_forward(module, *args, **kwargs)"
+        return self.compile_layer(fresh_entry(name, call, {"layer_forward": cls.forward}))
+
+    def run_for(self, index: int, run):
+        """The run of layer `index`: `run` (the shared entry's), or where hooks sit on the layer's
+        submodules an entry of its own for those hooks (re-read when torch made a hook handle)."""
+        if RemovableHandle.next_id != self.handles:
+            self.handles = RemovableHandle.next_id
+            self.hooks = [_inner_hooks(layer) for layer in self.layers]
+        ids = self.hooks[index]
+        if not ids:
+            return run
+        made = self.hooked.get(index)
+        if made is None or made[0] != ids:
+            entry = self._entry(hooked=index)
+            made = self.hooked[index] = (ids, functools.partial(_in_layers, f"{self.path}.*", entry, self.layers[index]))
+        return made[1]
 
     def remove(self) -> None:
         for layer in self.layers:
@@ -226,6 +256,20 @@ def pass_over(compiled, model) -> None:
     rep.notes.append(note)
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _inner_hooks(layer) -> tuple:
+    """The ids of the hooks on a layer's submodules (its own run around the call, outside it)."""
+    return tuple(
+        (name, kind, tuple(d))
+        for name, m in layer.named_modules()
+        if m is not layer
+        for kind in _HOOK_DICTS
+        if (d := getattr(m, kind, None))
+    )
+
+
 def _in_layers(path: str, entry, layer, *args, **kwargs):
     """The layer's compiled entry, its captures' records read as paths under `path`."""
     mark = LAYERS.set(path)
@@ -240,6 +284,7 @@ def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):
     with its input offloaded in an offloaded training call. `index`: the layer's place in the stack
     (the first starts a forward)."""
     kwargs = _with_layer_cache(stack, layer, index, kwargs)
+    run = stack.run_for(index, run)
     # a stack its first training call showed is none runs as it is, until the model's call is done
     training = torch.is_grad_enabled() and layer.training
     if not training or stack.not_a_stack:

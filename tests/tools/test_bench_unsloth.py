@@ -40,7 +40,7 @@ def test_rows_run_the_suites_shapes_and_pair_each_unsloth_mode_with_kernelgraft(
                 assert m.replace("unsloth", "kernelgraft") in row["modes"], (name, m)
     for name in ("llama-1b LoRA 8x2048", "llama-8b LoRA 2x4096", "llama-8b QLoRA 2x4096"):
         assert set(bu.ROWS[name]["modes"]) == {"eager", "torch.compile", "liger", "kernelgraft",
-                                               "kernelgraft (checkpointing)", "unsloth",
+                                               "kernelgraft (layers)", "kernelgraft (checkpointing)", "unsloth",
                                                "unsloth (checkpointing)"}  # fmt: skip
     assert bu.ROWS["llama-1b full 8x2048"]["modes"] == ("unsloth", "unsloth (checkpointing)")
     assert all(bu.ROWS[r]["shape"] == s for s, r in bu.ROW_OF_SHAPE.items())
@@ -127,15 +127,37 @@ def test_unsloth_mode_in_its_own_process_fails_with_one_line(tmp_path):
     )
 
 
+def test_a_cold_and_warm_run_gives_each_mode_fresh_caches_then_the_same_ones(monkeypatch):
+    calls = []
+
+    def fake(row, mode, steps, models, timeout=1800, caches=None, first_only=False):
+        calls.append((caches, first_only))
+        return dict(first_step_s=3.0 if first_only else 30.0, loss=1.0, startup=["first training call: ..."])
+
+    monkeypatch.setattr(bu, "run_in_process", fake)
+    got = bu.cold_and_warm(LORA_ROW, "kernelgraft (layers)", 2, "/tmp/m")
+    assert (got["first_step_s"], got["warm_first_step_s"]) == (30.0, 3.0)
+    (cold, first), (warm, again) = calls
+    assert cold == warm and os.path.basename(cold).startswith("kg_caches_") and (first, again) == (False, True)
+    assert not os.path.exists(cold)  # each mode's caches are its own, gone after it
+    env = bu.cache_env("/x")
+    assert {k: v.startswith("/x/") for k, v in env.items()} == dict.fromkeys(
+        ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KERNELGRAFT_CACHE_DIR", "UNSLOTH_COMPILE_LOCATION"), True
+    )
+
+
 def test_markdown_gives_a_row_per_mode_and_the_errors():
     doc = dict(gpu="NVIDIA H200", date="2026-12-01", versions="torch x", rows={
         "llama-8b QLoRA 2x4096": {
             "kernelgraft": dict(tok_s=12345.6, device_ms=610.2, peak_above_start_gib=20.04, first_step_s=41.0, loss=11.9),
+            "kernelgraft (layers)": dict(tok_s=12000.4, device_ms=612.0, peak_above_start_gib=20.1, first_step_s=12.5,
+                                         warm_first_step_s=4.25, loss=11.9),
             "unsloth": dict(error="bench_unsloth.py: unsloth: unsloth is not importable"),
         }})  # fmt: skip
     md = bu.markdown(doc)
-    assert "| kernelgraft | 12,346 | 610 | 20.0 | 41.0 | 11.9000 |" in md
-    assert "| unsloth | error: bench_unsloth.py: unsloth: unsloth is not importable | | | | |" in md
+    assert "| kernelgraft | 12,346 | 610 | 20.0 | 41.0 | - | 11.9000 |" in md
+    assert "| kernelgraft (layers) | 12,000 | 612 | 20.1 | 12.5 | 4.2 | 11.9000 |" in md
+    assert "| unsloth | error: bench_unsloth.py: unsloth: unsloth is not importable | | | | | |" in md
     assert "process of its own" in md
 
 

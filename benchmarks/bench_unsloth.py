@@ -190,6 +190,9 @@ def build(row: str, mode: str, models: str):
         model = qlora_model(saved_model(SHAPES[r["shape"]], os.path.join(models, slug(r["shape"]))))
     else:
         model = suite.build(r["shape"], "eager")
+    # from_pretrained (the QLoRA row's) leaves the model in eval mode, where Hugging Face's gradient
+    # checkpointing is off: every mode trains in training mode, as Unsloth's does
+    model.train()
     if checkpointing(mode):
         enable_checkpointing(model)
     if mode.startswith("kernelgraft"):  # the inductor backend, captured whole or per layer class

@@ -438,4 +438,44 @@ CONTEXT = {
     "rows": context_rows,
 }
 
-TABLES = [HEADLINE, STEPS, LM_128K, LM_GEMMA, LM_PEERS, HOST_ROWS, DISTRIBUTED, SCALING, ERRORS, CONTEXT]
+def unsloth_rows(data: dict) -> list[list[str]]:
+    """A row per (row, mode) of bench_unsloth.py's file: tokens/s, device ms, peak, the first step
+    cold (fresh compile caches) and warm (a second process), each first step over Unsloth's cold one."""
+    rows = []
+    for row, modes in data["u"]["rows"].items():
+        base = modes.get("unsloth", {}).get("first_step_s")
+        for mode, r in modes.items():
+            if "error" in r:
+                rows.append([row, mode, "error: " + r["error"][:80].replace("|", "/"), "-", "-", "-", "-"])
+                continue
+            p = f"u|rows/{row}/{mode}"
+            rows.append([
+                row, mode, f"{{{p}/tok_s|n}}", f"{{{p}/device_ms|.0f}}" if "device_ms" in r else "-",
+                f"{{{p}/peak_above_start_gib|.1f}}", _first(p, r, "first_step_s", base),
+                _first(p, r, "warm_first_step_s", base),
+            ])  # fmt: skip
+    return rows
+
+
+def _first(p: str, r: dict, key: str, base) -> str:
+    """A first step's seconds, and over Unsloth's cold first step (`base`) where that was measured."""
+    if r.get(key) is None:
+        return "-"
+    return f"{{{p}/{key}|.1f}}" + (f" ({r[key] / base:.2f}x)" if base else "")
+
+
+UNSLOTH = {
+    "title": "Training steps beside Unsloth, and the first step cold and warm",
+    "about": "`benchmarks/bench_unsloth.py --cold-warm`: each mode in a process of its own with every compile "
+    "cache fresh (inductor's, Triton's, kernelgraft's, Unsloth's compiled modules): its first step is the cold "
+    "one; then a second process with the caches the first left: the warm one. Random weights, bf16, SDPA, "
+    "forward + backward, no optimizer; tokens/s by wall time; GiB: the peak above the step's start. "
+    "kernelgraft captures the model whole, kernelgraft (layers) one graph per decoder-layer class. In "
+    "brackets: over Unsloth's cold first step.",
+    "optional": True,  # rendered once a run is published as benchmarks/results/unsloth/<date>-unsloth.json
+    "files": {"u": "unsloth/unsloth"},
+    "columns": ["row", "mode", "tokens/s", "device ms", "peak GiB", "first step s, cold", "first step s, warm"],
+    "rows": unsloth_rows,
+}
+
+TABLES = [HEADLINE, STEPS, LM_128K, LM_GEMMA, LM_PEERS, HOST_ROWS, DISTRIBUTED, SCALING, ERRORS, CONTEXT, UNSLOTH]

@@ -82,6 +82,9 @@ def run(rank, world, how, port):
     # calls then carry a mask that reaches DDP's later pieces and FSDP2's layer graphs as an input
     mu._ignore_causal_mask_sdpa = lambda *a, **k: False
 
+    # "<how> layers": the optimized model captured per decoder-layer class
+    capture = "layers" if how.endswith(" layers") else "whole"
+    how = how.removesuffix(" layers")
     if how == "ddp-lora":
         from peft import LoraConfig, get_peft_model
 
@@ -91,7 +94,7 @@ def run(rank, world, how, port):
     else:
         stock = tiny_model("llama")
     truth = copy.deepcopy(stock).to(torch.float64)
-    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture=capture)
     b = batch(seed=rank + 1)  # each rank its own data: the gradients are averaged over both
     bad, judged = failures(
         loss_and_grads(truth, b, truth=True, wrapped=wrap(truth, how)),
@@ -104,7 +107,7 @@ def run(rank, world, how, port):
     line = (
         f"rank {rank} {'ok' if not bad else 'FAIL ' + '; '.join(bad)} {judged} served {served} "
         f"sdpa {rep.counts().get('sdpa', 0)} graphs {rep.graphs} checked causal {causal} "
-        f"lora {rep.counts().get('lora', 0)}\n"
+        f"lora {rep.counts().get('lora', 0)} per step {sum(rep.counts().values())}\n"
     )
     # one write of the whole line: the two ranks share the pipe, and print() writes the text and its
     # newline separately (seen interleaved as "...served 12rank 0 ok ...")

@@ -46,6 +46,23 @@ def test_optimized_model_under_data_parallel_gives_the_stock_gradients(how):
             assert int(graphs) > 1 and int(causal) >= 1, r.stdout
 
 
+@pytest.mark.parametrize("how", ["ddp layers", "fsdp2 layers", "ddp-lora layers"])
+def test_layers_captured_per_class_under_data_parallel_give_the_stock_gradients(how):
+    r = subprocess.run(
+        [sys.executable, str(WORKER), how, str(free_port())], capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = sorted(re.findall(r"rank (\d) (ok|FAIL[^\n]*?) (\d+) served .* lora (\d+) per step (\d+)", r.stdout))
+    assert [g[:2] for g in got] == [("0", "ok"), ("1", "ok")], r.stdout
+    for _, _, n, lora, per_step in got:
+        # every site of both layers served in each step: 2 norms, q and k's RoPE, the MLP, the mask
+        # and the grouped keys and values per layer, the final norm and the LM head (and with LoRA
+        # the 7 adapters of each layer)
+        want = 16 + (14 if "lora" in how else 0)
+        assert int(n) == (1 + 28 if "lora" in how else 22), r.stdout  # the loss and each trained parameter
+        assert int(per_step) == want and int(lora) == (14 if "lora" in how else 0), r.stdout
+
+
 def test_lora_under_ddp_gives_the_stock_adapter_gradients():
     """peft's LoRA on every linear layer of a tiny Llama under DDP, each parameter a bucket of its
     own: every adapted layer is served, and the loss and the 28 adapter gradients (averaged over

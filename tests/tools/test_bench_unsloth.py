@@ -209,3 +209,19 @@ def test_qlora_model_is_nf4_double_quant_of_the_saved_weights_with_lora_on_every
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert all(g.abs().sum() > 0 for n, g in grads.items() if ".lora_B." in n)
+
+
+def test_the_qlora_row_trains_in_training_mode_where_checkpointing_takes_effect(monkeypatch, tmp_path):
+    """from_pretrained leaves a model in eval mode, where Hugging Face's gradient checkpointing does
+    nothing: the QLoRA row's modes train it in training mode, as Unsloth's does."""
+    import suite
+    from transformers import AutoModelForCausalLM
+
+    folder = bu.saved_model(TINY, str(tmp_path / "tiny"), device="cpu")
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert not loaded.training
+    monkeypatch.setattr(bu, "saved_model", lambda spec, f: folder)
+    monkeypatch.setattr(bu, "qlora_model", lambda f: AutoModelForCausalLM.from_pretrained(f))
+    monkeypatch.setattr(suite, "apply_mode", lambda model, mode: model)
+    model = bu.build("llama-8b QLoRA 2x4096", "kernelgraft (checkpointing)", str(tmp_path))
+    assert model.training and model.model.layers[0].training and model.model.layers[0].gradient_checkpointing

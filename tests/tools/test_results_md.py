@@ -78,3 +78,25 @@ def test_gpu_test_runs_list_the_newest_record_of_each_tier(tmp_path, monkeypatch
     assert "gpu_tests/2026-01-05-gpu-test.json" in text and "2026-01-01" not in text
     monkeypatch.setattr(mod, "TABLES", [])  # the benchmark tables read files this folder lacks
     assert mod.render() == "\n".join([mod.INTRO, text, mod.HOW]).rstrip("\n") + "\n"
+
+
+def test_the_unsloth_table_shows_cold_and_warm_first_steps_over_unsloths(tmp_path, monkeypatch):
+    mod = _module()
+    tables = __import__("results_tables")
+    folder = tmp_path / "unsloth"
+    folder.mkdir()
+    doc = {"date": "2026-12-07", "gpu": "NVIDIA H100 80GB HBM3", "rows": {"llama-1b LoRA 8x2048": {
+        "unsloth": {"tok_s": 73217.4, "device_ms": 217.0, "peak_above_start_gib": 16.8, "first_step_s": 20.0,
+                    "warm_first_step_s": 12.0},
+        "kernelgraft (layers)": {"tok_s": 74000.0, "device_ms": 215.0, "peak_above_start_gib": 15.6,
+                                 "first_step_s": 15.0, "warm_first_step_s": 5.0},
+        "torch.compile": {"error": "timed out after 1800 s"}}}}  # fmt: skip
+    (folder / "2026-12-07-unsloth.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    assert mod.present(tables.UNSLOTH)
+    text = mod.table(tables.UNSLOTH)
+    assert "| llama-1b LoRA 8x2048 | unsloth | 73,217 | 217 | 16.8 | 20.0 (1.00x) | 12.0 (0.60x) |" in text
+    assert "| llama-1b LoRA 8x2048 | kernelgraft (layers) | 74,000 | 215 | 15.6 | 15.0 (0.75x) | 5.0 (0.25x) |" in text
+    assert "| torch.compile | error: timed out after 1800 s |" in text
+    monkeypatch.setattr(mod, "RESULTS", tmp_path / "none")
+    assert not mod.present(tables.UNSLOTH)  # left out until a run is published

@@ -87,6 +87,7 @@ class LayerStack:
     passed over."""
 
     def __init__(self, model: torch.nn.Module, compile_layer, offload: bool, rejected: dict | None = None):
+        self.grafter = compile_layer.keywords["backend"]
         self.rejected = dict(rejected or {})
         stacks, why = layer_stacks(model)
         stacks = [s for s in stacks if s[0] not in self.rejected]
@@ -147,7 +148,7 @@ class LayerStack:
             # no other model shares its cache
             entry = self._entry()
             for i, layer in enumerate(self.layers):
-                run = functools.partial(_in_layers, f"{self.path}.*", entry, layer)
+                run = functools.partial(_in_layers, self, entry, layer)
                 # the model's graph breaks here: the layer runs the class's compiled graph
                 call = functools.partial(_call, self, layer, run, i)
                 self.calls.append(_LayerForward(torch._dynamo.disable(call), layer))
@@ -175,7 +176,7 @@ class LayerStack:
         made = self.hooked.get(index)
         if made is None or made[0] != ids:
             entry = self._entry(hooked=index)
-            made = self.hooked[index] = (ids, functools.partial(_in_layers, f"{self.path}.*", entry, self.layers[index]))
+            made = self.hooked[index] = (ids, functools.partial(_in_layers, self, entry, self.layers[index]))
         return made[1]
 
     def remove(self) -> None:
@@ -208,13 +209,8 @@ def capture_layers(compiled, model, rejected: dict | None = None, offload: bool 
     passed over; `offload`: Options.memory's choice where it made one. Without a stack the model is
     captured whole (an error where offload=True asks). `compiled`: api's compiled call."""
     options, rep = compiled.grafter.options, compiled.grafter.report
-    grafter = compiled.grafter
-
-    def counted(gm, example_inputs):  # the layers' graphs, counted for the report
-        layers.graphs[grafter.capture_kind()] += 1
-        return grafter(gm, example_inputs)
-
-    compile_layer = functools.partial(torch.compile, backend=counted, dynamic=compiled.dynamic)
+    # the grafter itself (DDP's graph split knows it by its type), its captures counted by _in_layers
+    compile_layer = functools.partial(torch.compile, backend=compiled.grafter, dynamic=compiled.dynamic)
     try:
         layers = LayerStack(
             model, compile_layer, bool(options.offload if offload is None else offload), rejected
@@ -270,13 +266,18 @@ def _inner_hooks(layer) -> tuple:
     )
 
 
-def _in_layers(path: str, entry, layer, *args, **kwargs):
-    """The layer's compiled entry, its captures' records read as paths under `path`."""
-    mark = LAYERS.set(path)
+def _in_layers(stack: LayerStack, entry, layer, *args, **kwargs):
+    """The layer's compiled entry, its captures' records read as paths under the stack's, and the
+    graphs it captured counted for the report."""
+    mark = LAYERS.set(f"{stack.path}.*")
+    rep = stack.grafter.report
+    before = rep.graphs
     try:
         return entry(layer, *args, **kwargs)
     finally:
         LAYERS.reset(mark)
+        if rep.graphs != before:
+            stack.graphs[stack.grafter.capture_kind()] += rep.graphs - before
 
 
 def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):

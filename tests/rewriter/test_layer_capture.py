@@ -69,7 +69,8 @@ def _sites(arch: str, L: int) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["training", "evaluation", "decoding"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# Qwen3's cases in the slow suite: each case compiles four models, over 20 s on a 2-core CPU
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_the_work_of_capture_does_not_grow_with_depth(arch, kind):
     work = {}
     for L in (2, 8):
@@ -95,6 +96,7 @@ def test_captured_whole_the_work_grows_with_depth():
     assert work[8]["rewritten"] > 2.5 * work[2]["rewritten"], work
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_eight_layers_pass_the_rule_evaluate_and_decode_as_stock(arch):
     stock = tiny_model(arch, layers=8)
@@ -123,6 +125,7 @@ def _lora(make):
     return get_peft_model(make(), cfg)
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_a_peft_lora_model_is_captured_per_layer_class():
     work = {}
     for L in (2, 8):
@@ -138,6 +141,7 @@ def test_a_peft_lora_model_is_captured_per_layer_class():
     assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
 
 
+@pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_a_qlora_model_is_captured_per_layer_class(tmp_path):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the qlora extra, which make test installs")
     sys.path.insert(0, str(HERE.parent / "patterns"))

@@ -9,7 +9,7 @@ The Llama-3.2-1B shape (suite.SHAPES), random weights, bf16, 8 x 2048 tokens per
             head's and the final norm's weights under bf16 autocast, against float64 truth, of the
             fused heads alone, the rest of the model eager in each (TRL's: add_fused_lm_head, then
             model(..., fused_lm_head=True); kernelgraft's: optimize(patterns=["lm_head_ce"],
-            backend="eager")), beside the unfused model's error (gradcheck.judge: ok at most 1.1x
+            backend="eager", causal_attention=False)), beside the unfused model's error (gradcheck.judge: ok at most 1.1x
             it + 4 eps); and the kernelgraft model as the benchmark runs it (every site served, the
             benchmark's backend), beside eager and, under inductor, the stock model under torch.compile
 Each mode runs one `train()` in a thread of its own, and the threads take turns (Baton), the others
@@ -355,7 +355,8 @@ def accuracy(spec) -> dict:
         add_fused_lm_head(m := copy.deepcopy(base))
         heads["trl"] = run(m, fused_lm_head=True)
     out["trl"] = "measured" if heads else "this trl has no add_fused_lm_head" if have else "trl not installed"
-    m = kernelgraft.optimize(copy.deepcopy(base), backend="eager", patterns=["lm_head_ce"])
+    # the head alone: attention keeps its mask as the eager model does (no causal rewrite)
+    m = kernelgraft.optimize(copy.deepcopy(base), backend="eager", patterns=["lm_head_ce"], causal_attention=False)
     heads["kernelgraft"] = run(m)
     out["kernelgraft_sites"] = m.kernelgraft_report.counts(graph="training")
     m = kernelgraft.optimize(copy.deepcopy(base), backend=spec.backend)

@@ -80,3 +80,22 @@ def test_a_changed_lora_kernel_is_not_served_from_the_cache(tmp_path, monkeypatc
     hits, misses = _lora_step()
     assert hits == 0 and misses > 0, "a changed LoRA kernel must compile anew"
     torch._dynamo.reset()
+
+
+def test_another_torch_misses_inductors_cache(monkeypatch):
+    """inductor keys a compiled graph by torch's own sources (torch_key) and, through kernelgraft's
+    post-grad pass, by kernelgraft's kernel files: another torch, or another kernel, is another key."""
+    import torch._inductor.codecache as codecache
+    from torch._inductor import config as inductor_config
+
+    gm = torch.fx.symbolic_trace(lambda x: x.sin() + 1)
+    args = [torch.randn(4)]
+
+    def key():
+        with inductor_config.patch(post_grad_custom_post_pass=PostGradPass(fuse_residual=True)):
+            return codecache.compiled_fx_graph_hash(gm, args, {}, [])[0]
+
+    same = key()
+    assert key() == same
+    monkeypatch.setattr(codecache, "torch_key", lambda: b"another torch")
+    assert key() != same

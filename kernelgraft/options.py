@@ -237,19 +237,19 @@ class Options:
         budget = self.memory
         if budget is not None and budget != "auto" and not _size(budget, 2**30):
             raise ValueError(
-                f'kernelgraft: memory must be a positive, finite budget in GiB, "auto" or None, got {budget!r}'
+                f"kernelgraft: memory must be a positive, finite budget in GiB, \"auto\" or None, got {budget!r}"
             )
         if self.offload is not None and not isinstance(self.offload, bool):
             raise ValueError(f"kernelgraft: offload must be True, False or None, got {self.offload!r}")
         if self.capture not in ("layers", "whole"):
-            raise ValueError(f'kernelgraft: capture must be "layers" or "whole", got {self.capture!r}')
+            raise ValueError(f"kernelgraft: capture must be \"layers\" or \"whole\", got {self.capture!r}")
         tile = self.tile_tokens
         if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
             raise ValueError(f"kernelgraft: tile_tokens must be a positive number of tokens or None, got {tile!r}")
         mem = self.lm_head_memory
         if mem is not None and mem != "min" and not _size(mem, 2**30):
             raise ValueError(
-                f'kernelgraft: lm_head_memory must be a positive, finite budget in GiB, "min" or None, '
+                f"kernelgraft: lm_head_memory must be a positive, finite budget in GiB, \"min\" or None, "
                 f"got {mem!r}"
             )
         if mem is not None and chunk is not None:

@@ -81,13 +81,14 @@ def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None
 
 class LayerStack:
     """The model's decoder layers, each called through `_call` (installed by `install`, undone by
-    `remove`), compiled by `compile_layer` through one entry. `offload`: training calls keep their
+    `remove`), compiled by `grafter` (the model's backend; `dynamic` as the model's compile) through
+    one entry. `offload`: training calls keep their
     inputs on the host (Options.offload; may be turned on later, by Options.memory). `rejected`: the
     paths of candidates whose first training call showed they are not the stack (path -> why),
     passed over."""
 
-    def __init__(self, model: torch.nn.Module, compile_layer, offload: bool, rejected: dict | None = None):
-        self.grafter = compile_layer.keywords["backend"]
+    def __init__(self, model: torch.nn.Module, grafter, dynamic, offload: bool, rejected: dict | None = None):
+        self.grafter, self.dynamic = grafter, dynamic
         self.rejected = dict(rejected or {})
         stacks, why = layer_stacks(model)
         stacks = [s for s in stacks if s[0] not in self.rejected]
@@ -97,7 +98,6 @@ class LayerStack:
         self.path, self.layers = stacks[0]
         self.offload = offload
         self.offloader = Offloader()
-        self.compile_layer = compile_layer
         # why the stack is not the model's layers, from its first training call ("": it is; None: no call yet)
         self.not_a_stack: str | None = None
         self.cache_views = [0, 0]  # layer calls with a KV cache: [through LayerCache, with the cache itself]
@@ -162,7 +162,10 @@ class LayerStack:
         cls = type(self.layers[0])
         name = f"{cls.__name__} layers" if hooked is None else f"{cls.__name__} layer {hooked} (hooked)"
         call = "layer_forward(module, *args, **kwargs)"
-        return self.compile_layer(fresh_entry(name, call, {"layer_forward": cls.forward}))
+        # the grafter itself as the backend (DDP's graph split knows it by its type); the graphs it
+        # captures are counted by _in_layers
+        entry = fresh_entry(name, call, {"layer_forward": cls.forward})
+        return torch.compile(entry, backend=self.grafter, dynamic=self.dynamic)
 
     def run_for(self, index: int, run):
         """The run of layer `index`: `run` (the shared entry's), or where hooks sit on the layer's
@@ -209,12 +212,9 @@ def capture_layers(compiled, model, rejected: dict | None = None, offload: bool 
     passed over; `offload`: Options.memory's choice where it made one. Without a stack the model is
     captured whole (an error where offload=True asks). `compiled`: api's compiled call."""
     options, rep = compiled.grafter.options, compiled.grafter.report
-    # the grafter itself (DDP's graph split knows it by its type), its captures counted by _in_layers
-    compile_layer = functools.partial(torch.compile, backend=compiled.grafter, dynamic=compiled.dynamic)
+    offload = bool(options.offload if offload is None else offload)
     try:
-        layers = LayerStack(
-            model, compile_layer, bool(options.offload if offload is None else offload), rejected
-        )
+        layers = LayerStack(model, compiled.grafter, compiled.dynamic, offload, rejected)
     except ValueError as e:
         rep.captured_as = dict(kind="whole", why=f"no layer stack to capture per class ({e})")
         if options.offload:

@@ -18,12 +18,24 @@ _TRITON = "async_compile.wait"  # waiting for the Triton kernels inductor builds
 _KEYS = (_DYNAMO, _BACKEND, _INDUCTOR, _TRITON)
 
 
-def _metrics() -> dict:
+def _table() -> dict | None:
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:  # a torch without them: the report gives the wall time alone
-        return {}
-    return {k: sum(compilation_time_metrics.get(k, ())) for k in _KEYS}
+        return None
+    return compilation_time_metrics
+
+
+def _marks() -> dict:
+    """Where each metric's list of entries ends now: taken around every call, so only lengths."""
+    table = _table()
+    return {} if table is None else {k: len(table.get(k, ())) for k in _KEYS}
+
+
+def _since(marks: dict) -> dict:
+    """Seconds each metric gained since `marks` (its entries added since, summed)."""
+    table = _table() or {}
+    return {k: sum(table.get(k, ())[n:]) for k, n in marks.items()}
 
 
 @dataclass
@@ -52,23 +64,21 @@ class Clock:
 
     def __init__(self):
         self.pending: Startup | None = None  # a training call whose backward has not been read yet
-        self.since: dict = {}  # the metrics when that call ended
+        self.since: dict = {}  # the metrics' marks when that call ended
 
     def before(self, grafter) -> tuple:
-        now = _metrics()
         if self.pending is not None:
-            self.pending.backward = _backward(self.since, now)
+            self.pending.backward = _backward(_since(self.since))
             self.pending = None
-        return time.perf_counter(), now, grafter.rewrite_seconds, grafter.report.graphs
+        return time.perf_counter(), _marks(), grafter.rewrite_seconds, grafter.report.graphs
 
     def after(self, grafter, taken: tuple, kind: str) -> None:
-        start, metrics, rewriting, graphs = taken
+        start, marks, rewriting, graphs = taken
         rep = grafter.report
         if rep.graphs == graphs or kind in rep.startup:
             return
-        now = _metrics()
         wall = time.perf_counter() - start
-        d = {k: now.get(k, 0.0) - metrics.get(k, 0.0) for k in now}
+        d = _since(marks)
         rewrite = grafter.rewrite_seconds - rewriting
         parts = {}
         if d:
@@ -83,13 +93,9 @@ class Clock:
         record = Startup(kind, wall, parts)
         rep.startup[kind] = record
         if kind == "training" and d:
-            self.pending, self.since = record, now
+            self.pending, self.since = record, _marks()
 
 
-def _backward(since: dict, now: dict) -> dict:
-    if not since or not now:
-        return {}
-    return {
-        "inductor": now[_INDUCTOR] - since[_INDUCTOR],
-        "of which Triton builds": now[_TRITON] - since[_TRITON],
-    }
+def _backward(d: dict) -> dict:
+    """What a training call's backward compiled, from the metrics it gained (`d`)."""
+    return {"inductor": d[_INDUCTOR], "of which Triton builds": d[_TRITON]} if d else {}

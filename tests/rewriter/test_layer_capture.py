@@ -143,7 +143,7 @@ def test_a_peft_lora_model_is_captured_per_layer_class():
 
 @pytest.mark.slow  # over 20 s on a 2-core CPU
 def test_a_qlora_model_is_captured_per_layer_class(tmp_path):
-    pytest.importorskip("bitsandbytes", reason="bitsandbytes is in the qlora extra, which make test installs")
+    import bitsandbytes  # noqa: F401 - the qlora extra, which make test installs: fails here, not skipped, without it
     sys.path.insert(0, str(HERE.parent / "patterns"))
     from test_qlora import qlora_model
 
@@ -168,8 +168,9 @@ def test_the_report_says_how_the_model_was_captured():
     whole(**batch()).loss.backward()
     said = str(whole.kernelgraft_report)
     assert 'captured whole: as capture="whole" asks' in said
-    assert "first training call:" in said and "kernelgraft's rewriting" in said
     first = whole.kernelgraft_report.startup["training"]
+    # the line names the parts of 0.05 s or more (the rewriting of a tiny model may take less)
+    assert f"first training call: {first.wall:.1f} s (" in said
     assert first.wall > 0 and first.parts["kernelgraft's rewriting"] > 0
     assert first.wall >= first.parts["kernelgraft's rewriting"]
     with pytest.raises(ValueError, match="capture must be"):

@@ -15,6 +15,7 @@ import torch
 from torch._guards import CompileContext
 from torch._subclasses.fake_tensor import is_fake
 
+from ..kernels import withheld_values
 from ..kernels.fallback import warn_once
 from ..options import Options
 from ..patterns import REGISTRY, Registry, Spelling
@@ -92,6 +93,9 @@ class Grafter:
         self.limit_hits: list[str] = []  # dynamo's recompile limits hit in its model's calls
         self.graph_runs: list[int] = []  # runs of each compiled graph (runs.counted), by their order
         self.graph_keys: list = []  # and the capture each belongs to
+        # how the model's code read logits a layered capture's head graph withheld ("`argmax`"):
+        # its graphs are captured again returning them (api's _run; "" while none was read)
+        self.logits_read = ""
         self.rewrite_seconds = 0.0  # time spent in the pipeline (graft), for the report's startup lines
         # graph nodes handed to the pipeline and to the lowering (inductor's or eager's): the work of
         # capture, which capture="layers" keeps from growing with depth
@@ -131,6 +135,7 @@ class Grafter:
             training=True if self.training is None and CHECKPOINTED.get() else self.training,
             runtime_masks=runtime_masks,
             heads=self.heads,
+            logits_read=self.logits_read,
         )
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
@@ -149,6 +154,7 @@ class Grafter:
             _under(grafted, LAYERS.get())
         self.report.extend(grafted, frame=_frame_id(), capture=self.capture_kind())
         compiled = self._lower(gm, example_inputs)
+        compiled = Withholding.around(gm, compiled)
         checks = gm.meta.pop(attention.META, None)
         if not checks:
             return compiled
@@ -304,6 +310,36 @@ class MaskChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback(args)
         return self.fallback(*args)
+
+
+class Withholding:
+    """A compiled graph whose outputs include withheld intermediates (the fused LM head's logits):
+    each is handed out as what stands for it (WithheldLogits), which raises on any use of its
+    values. Where the graph is a piece of the model's call (the head graph of a model captured per
+    layer class, or after any graph break) the model's code after it may read the logits: that read
+    then says so (api's _run captures again, returning them) instead of reading an empty marker."""
+
+    def __init__(self, compiled, stand_ins: dict):
+        self.compiled, self.stand_ins = compiled, stand_ins
+
+    @classmethod
+    def around(cls, gm: torch.fx.GraphModule, compiled):
+        values = withheld_values()
+        out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+        flat = out.args[0] if out is not None and isinstance(out.args[0], (tuple, list)) else ()
+        stand_ins = {
+            i: values[n.target] for i, n in enumerate(flat) if isinstance(n, torch.fx.Node) and n.target in values
+        }
+        return cls(compiled, stand_ins) if stand_ins else compiled
+
+    def __call__(self, *args):
+        got = self.compiled(*args)
+        if any(is_fake(a) for a in args):  # a trace (DDP's graph splitter): shapes only
+            return got
+        got = list(got)
+        for i, make in self.stand_ins.items():
+            got[i] = make()
+        return got
 
 
 def _under(report: RewriteReport, path: str) -> None:

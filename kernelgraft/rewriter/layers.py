@@ -195,6 +195,7 @@ class _LayerForward:
     def __init__(self, call, layer):
         self.call, self.layer = call, weakref.ref(layer)
 
+    @torch._dynamo.disable
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs)
 
@@ -285,6 +286,7 @@ def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):
     with its input offloaded in an offloaded training call. `index`: the layer's place in the stack
     (the first starts a forward)."""
     kwargs = _with_layer_cache(stack, layer, index, kwargs)
+    args, kwargs = _hidden_with_grad(layer, args, kwargs)
     run = stack.run_for(index, run)
     # a stack its first training call showed is none runs as it is, until the model's call is done
     training = torch.is_grad_enabled() and layer.training
@@ -298,6 +300,28 @@ def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):
     if stack.not_a_stack is None:
         stack.not_a_stack = _not_a_layer(args, kwargs, out)
     return out
+
+
+def _hidden_with_grad(layer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with its hidden states asking for a gradient where a gradient is being recorded and
+    the layer has parameters that take one: a LoRA model's first layer reads frozen embeddings, and
+    without this its input differs from every other layer's by `requires_grad` alone, which dynamo
+    guards on (a second graph, compiled forward and backward, for one layer). Its gradient, one
+    more pass through the first layer's input projections, is dropped."""
+    if not torch.is_grad_enabled():
+        return args, kwargs
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if (
+        not isinstance(hidden, torch.Tensor)
+        or hidden.requires_grad
+        or not hidden.is_floating_point()
+        or not any(p.requires_grad for p in layer.parameters())
+    ):
+        return args, kwargs
+    hidden = hidden.detach().requires_grad_()
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
 
 
 def _not_a_layer(args, kwargs, out) -> str:

@@ -144,11 +144,12 @@ def describe_arg(a) -> str:
 
 
 class Matcher:
-    def __init__(self, spelling, pattern: CGraph, allow_withhold: bool = True):
+    def __init__(self, spelling, pattern: CGraph, allow_withhold: bool = True, read_by: str = ""):
         self.sp = spelling
         self.pg = pattern
         # an intermediate the graph returns may be withheld when the spelling says so (logits)
         self.withhold = allow_withhold and getattr(spelling, "may_withhold", False)
+        self.read_by = read_by  # how the model's code read such an intermediate after the graph
         self.n_ops = sum(1 for n in pattern.nodes if n.op != "input")
         self.best = Failure()
 
@@ -279,6 +280,11 @@ class Matcher:
                 outside = [u for u in fxn.users if u not in covered]
                 if self.withhold:
                     outside = [u for u in outside if not leaves_graph(u)]
+                elif self.read_by and getattr(self.sp, "may_withhold", False) and any(leaves_graph(u) for u in outside):
+                    return (
+                        f"intermediate `{fxn.name}` is also used by {self.read_by} outside the pattern (the "
+                        "model's code reads it after this graph); the fused kernel would not make it"
+                    )
                 elif getattr(self.sp, "may_withhold", False) and any(leaves_graph(u) for u in outside):
                     return (
                         f"`{fxn.name}` is returned by the model and keep_logits=True: the fused kernel "

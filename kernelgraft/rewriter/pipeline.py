@@ -46,6 +46,9 @@ class Graft:
     training: bool = True  # the sites run with gradients (the LM head is fused only then)
     runtime_masks: bool = True  # masks read from graph inputs may be checked at run time
     heads: tuple = ()  # the model's output embeddings (output_heads): where an LM head + loss is expected
+    # how the model's code read logits this graph once withheld, after the graph ("`argmax`"): a
+    # layered capture's head graph then returns them ("": none read)
+    logits_read: str = ""
     report: RewriteReport = field(default_factory=lambda: RewriteReport(graphs=1))
     canonical: CGraph | None = None
     taken: set = field(default_factory=set)  # fx nodes of the sites matched so far
@@ -73,7 +76,7 @@ def match_and_replace(g: Graft) -> None:
     # more specific match takes more of the graph into the kernel
     for sp in sorted(g.spellings, key=lambda s: -len(s.canonical().nodes)):
         pg = sp.canonical()
-        matcher = Matcher(sp, pg, allow_withhold=not g.options.keep_logits)
+        matcher = Matcher(sp, pg, allow_withhold=not g.options.keep_logits and not g.logits_read, read_by=g.logits_read)
         out = pg.output
         for anchor in [n for n in g.canonical.nodes if n.op == out.op]:
             # a value no fx node computes (a primitive of a composite op such as F.layer_norm) is
@@ -413,12 +416,17 @@ def graft(
     training: bool | None = None,
     runtime_masks: bool = True,
     heads: tuple = (),
+    logits_read: str = "",
 ) -> RewriteReport:
     """Run the passes over one dynamo graph; edit it unless dry_run. training: None, whether
     gradients are on now (a capture's own state). heads: the model's output embeddings' paths
-    (output_heads), where an LM head that is not served is reported."""
+    (output_heads), where an LM head that is not served is reported. logits_read: how the model's
+    code read logits an earlier capture withheld (Graft.logits_read)."""
     training = torch.is_grad_enabled() if training is None else training
-    g = Graft(gm, list(spellings), options or Options(), dry_run, probe, training, runtime_masks, heads=heads)
+    g = Graft(
+        gm, list(spellings), options or Options(), dry_run, probe, training, runtime_masks, heads=heads,
+        logits_read=logits_read,
+    )
     return run(g)
 
 

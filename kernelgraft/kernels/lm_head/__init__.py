@@ -12,7 +12,7 @@ from ..family import Family, KernelSource, register
 from . import kernel, op, transform
 from .kernel import kernel_name, kernel_source, rounds_as
 from .op import LMHeadOp, defers, op_for, refusal
-from .withheld import WITHHELD_MESSAGE, WithheldLogits, explain_markers, marker_op
+from .withheld import WITHHELD_MESSAGE, LogitsWithheld, WithheldLogits, explain_markers, marker_op
 
 
 class LMHeadFamily(Family):
@@ -39,10 +39,16 @@ class LMHeadFamily(Family):
     def explain_withheld(self, out, withholds):
         return explain_markers(out, withholds)
 
+    def withheld_value(self):
+        return WithheldLogits()
+
+    def withheld_read(self, error: BaseException) -> str:
+        return error.op if isinstance(error, LogitsWithheld) else ""
+
     def cache_files(self) -> tuple:
         return (kernel.__file__, op.__file__)
 
 
 FAMILY = register(LMHeadFamily())
 
-__all__ = ["FAMILY", "WITHHELD_MESSAGE", "LMHeadFamily", "LMHeadOp", "WithheldLogits", "explain_markers", "op_for"]
+__all__ = ["FAMILY", "WITHHELD_MESSAGE", "LMHeadFamily", "LogitsWithheld", "LMHeadOp", "WithheldLogits", "explain_markers", "op_for"]

@@ -108,6 +108,13 @@ class LayerStack:
         self.hooks: list = []  # each layer's submodules' hook ids, as last read
         self.hooked: dict = {}
         self.graphs: Counter = Counter()  # graphs compiled for the layers, by kind (report.CAPTURES)
+        # torch's own norm modules outside the layers (a final nn.LayerNorm): the model's frame around
+        # the layers' calls may run as Python, and dynamo traces no frame of torch.nn, so each runs a
+        # compiled entry of its own ((path, module, call) each)
+        self.edges = [
+            (path, m, None) for path, m in model.named_modules()
+            if type(m) in _TORCH_NORMS and not any(m is x for x in self.layers.modules())
+        ]
         self.installed = False
 
     def describe(self) -> str:
@@ -154,14 +161,23 @@ class LayerStack:
                 self.calls.append(_LayerForward(torch._dynamo.disable(call), layer))
         for layer, call in zip(self.layers, self.calls):
             layer.forward = call
+        for i, (path, m, call) in enumerate(self.edges):
+            if call is None:
+                entry = self._entry(module=m, name=f"{type(m).__name__} at {path.replace('.', ':')}")
+                call = _EdgeForward(functools.partial(_at, path, entry, m), m)
+                self.edges[i] = (path, m, call)
+            m.forward = call
         self.installed = True
 
-    def _entry(self, hooked: int | None = None):
+    def _entry(self, hooked: int | None = None, module=None, name: str = ""):
         """A compiled entry of the layers' class forward (the class's, not the call put on each
-        instance); `hooked`: for that layer alone, made for its submodules' hooks."""
-        cls = type(self.layers[0])
-        name = f"{cls.__name__} layers" if hooked is None else f"{cls.__name__} layer {hooked} (hooked)"
-        call = "layer_forward(module, *args, **kwargs)"
+        instance); `hooked`: for that layer alone, made for its submodules' hooks; `module`: for that
+        module's class instead (`name` says which)."""
+        cls = type(self.layers[0] if module is None else module)
+        name = name or (f"{cls.__name__} layers" if hooked is None else f"{cls.__name__} layer {hooked} (hooked)")
+        # a module of torch's own: its class's forward read from the module, which dynamo traces (a
+        # global holding a torch.nn function is imported by the entry's name, which is no module)
+        call = "type(module).forward(module, *args, **kwargs)" if module is not None else "layer_forward(module, *args, **kwargs)"
         # the grafter itself as the backend (DDP's graph split knows it by its type); the graphs it
         # captures are counted by _in_layers
         entry = fresh_entry(name, call, {"layer_forward": cls.forward})
@@ -183,8 +199,8 @@ class LayerStack:
         return made[1]
 
     def remove(self) -> None:
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+        for m in [*self.layers, *(m for _, m, _ in self.edges)]:
+            m.__dict__.pop("forward", None)
         self.installed = False
 
 
@@ -201,6 +217,23 @@ class _LayerForward:
 
     def __reduce__(self):
         return (_class_forward, (self.layer(),))
+
+
+class _EdgeForward(_LayerForward):
+    """The call put on a norm module outside the layers: traced where the model's frame is (as the
+    module's own forward), its compiled entry where the frame runs as Python."""
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return type(self.layer()).forward(self.layer(), *args, **kwargs)
+        return self.call(*args, **kwargs)
+
+
+# called as Python (the model's frame around the layers runs so), the call's own frame is not
+# compiled, its entry is; traced inside a frame, it is inlined (where disable would break the graph)
+_skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
+if _skip is not None:
+    _skip(_EdgeForward.__call__.__code__)
 
 
 def _class_forward(layer):
@@ -279,6 +312,20 @@ def _in_layers(stack: LayerStack, entry, layer, *args, **kwargs):
         LAYERS.reset(mark)
         if rep.graphs != before:
             stack.graphs[stack.grafter.capture_kind()] += rep.graphs - before
+
+
+# norm modules of torch's own: where the model's code runs as Python (its frame around the layers'
+# calls), dynamo does not trace their forward
+_TORCH_NORMS = (torch.nn.LayerNorm, *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()))
+
+
+def _at(path: str, entry, module, *args, **kwargs):
+    """A norm module's call outside the layers: its compiled entry, its records read at its path."""
+    mark = LAYERS.set(path)
+    try:
+        return entry(module, *args, **kwargs)
+    finally:
+        LAYERS.reset(mark)
 
 
 def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):

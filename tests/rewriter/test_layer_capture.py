@@ -134,6 +134,8 @@ def test_a_peft_lora_model_is_captured_per_layer_class():
         )
         assert rep.counts("training").get("lora") == 7 * L and rep.counts("training")["rms_norm"] == 2 * L + 1
         assert rep.captured_as["stack"].path == "base_model.model.model.layers"
+        # the first layer reads frozen embeddings, yet shares the others' graph
+        assert dict(rep.captured_as["stack"].graphs) == {"training": 1}
     for what in ("traced", "rewritten", "lowered"):
         assert work[8][what] <= 1.3 * work[2][what], (what, work)
     stock = _lora(lambda: tiny_model("llama", layers=4))
@@ -161,6 +163,24 @@ def test_a_qlora_model_is_captured_per_layer_class(tmp_path):
     stock = qlora_model("llama", torch.float32, tmp_path / "q2", layers=2)
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
     assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "bloom"])
+def test_torchs_own_norms_outside_the_layers_are_served_as_captured_whole(arch):
+    """A final nn.LayerNorm (and Bloom's embeddings' one) runs where the model's code around the
+    layers' calls runs as Python, which dynamo does not trace into torch.nn: each runs a compiled
+    entry of its own, served as in the whole capture, the numbers by the rule."""
+    stock = tiny_model(arch)
+    whole = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="whole")
+    whole(**batch()).loss.backward()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
+    assert_ok(compare_models(mine, stock, batch(), compiled=False), names(stock))
+    want = whole.kernelgraft_report.counts("training")["layer_norm"]
+    assert mine.kernelgraft_report.counts("training")["layer_norm"] == want == (6 if arch == "bloom" else 5)
+    outside = [s.module for s in mine.kernelgraft_report.sites if s.pattern == "layer_norm" and ".*" not in s.module]
+    assert outside == (
+        ["transformer.word_embeddings_layernorm", "transformer.ln_f"] if arch == "bloom" else ["gpt_neox.final_layer_norm"]
+    ), outside
 
 
 def test_the_report_says_how_the_model_was_captured():

@@ -164,25 +164,40 @@ class Grafter:
     def _lower(self, gm, example_inputs):
         self.nodes["lowered"] += len(gm.graph.nodes)
         if self.options.backend == "inductor" and not self.dry_run:
-            if not self.options.inductor_launches:
-                return self._inductor(gm, example_inputs, launch=False)
             counted = Counter(self.report.launched_by)
             try:
-                return self._inductor(gm, example_inputs, launch=True)
-            except Exception as e:  # noqa: BLE001 - compiled again with the kernels launched from the host
+                return self._lower_inductor(gm, example_inputs)
+            except Exception as e:  # noqa: BLE001 - inductor's own failure: the graph runs as captured
                 self._attempt_failed(
-                    counted, e, "inductor launches failed",
-                    "kernelgraft: inductor could not compile this graph with kernelgraft's kernels launched "
-                    "by its own code ({why}). Compiled again with them launched from kernelgraft's Python "
-                    "launcher (slower on the host; a kernel that fails there falls back to the stock code). "
-                    "If this compile fails too, the error is inductor's, not the kernels'.",
+                    counted, e, "inductor failed",
+                    "kernelgraft: inductor could not compile a graph of this model ({why}). It runs as "
+                    "captured instead, kernelgraft's kernels included, each op launched from the host "
+                    "(slower than compiled, the same numbers as the model's code).",
                 )  # fmt: skip
-                return self._inductor(
-                    gm, example_inputs, launch=False, because="inductor's launches failed to compile"
-                )
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+                self.report.notes.append(f"a graph inductor could not compile runs as captured ({why})")
         if not self.dry_run:  # run as it is: the kernels called without the dispatcher's work on each call
             lowering.eager_calls(gm)
         return gm.forward
+
+    def _lower_inductor(self, gm, example_inputs):
+        """gm compiled by inductor, its kernels launched by inductor's code where that compiles."""
+        if not self.options.inductor_launches:
+            return self._inductor(gm, example_inputs, launch=False)
+        counted = Counter(self.report.launched_by)
+        try:
+            return self._inductor(gm, example_inputs, launch=True)
+        except Exception as e:  # noqa: BLE001 - compiled again with the kernels launched from the host
+            self._attempt_failed(
+                counted, e, "inductor launches failed",
+                "kernelgraft: inductor could not compile this graph with kernelgraft's kernels launched "
+                "by its own code ({why}). Compiled again with them launched from kernelgraft's Python "
+                "launcher (slower on the host; a kernel that fails there falls back to the stock code). "
+                "If this compile fails too, the error is inductor's, not the kernels'.",
+            )  # fmt: skip
+            return self._inductor(
+                gm, example_inputs, launch=False, because="inductor's launches failed to compile"
+            )
 
     def _inductor(self, gm, example_inputs, launch: bool, because: str | None = None):
         """gm compiled by inductor; launch: its generated code launches kernelgraft's kernels

@@ -490,7 +490,7 @@ def test_a_graph_inductor_cannot_compile_with_its_launches_is_compiled_with_host
     said = [str(w.message) for w in caught if "could not compile this graph" in str(w.message)]
     assert len(said) == 1 and "forced: a traced kernel" in said[0], said
     rep = mine.kernelgraft_report
-    assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
+    assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2, "sdpa": 2, "gqa": 2}
     assert set(rep.launched_by) == {"host: inductor's launches failed to compile"}, rep.launched_by
     assert rep.launched_by["host: inductor's launches failed to compile"] >= 10
 
@@ -837,3 +837,31 @@ def test_an_outputs_incoming_gradient_is_traced_with_the_outputs_strides(monkeyp
     assert seen == {"tangents_1": q.stride()}, seen
     want = rope(q, cos, sin)
     torch.testing.assert_close(gq, torch.autograd.grad(want, (q,), g)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_graph_inductor_cannot_compile_runs_as_captured_and_is_reported(monkeypatch):
+    """Inductor's own failure on a graph (as on a library's Triton kernel it re-types) is not the
+    user's: the graph runs as captured, kernelgraft's kernels included, with the model's numbers,
+    and the report says which failure."""
+    import copy
+
+    import torch._inductor.compile_fx as inductor_compile
+    from tiny import batch, tiny_model
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kw):
+        raise RuntimeError("Loop-carried variable m of type fp32 is re-assigned to fp64")
+
+    monkeypatch.setattr(inductor_compile, "compile_fx", compile_fx)
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="inductor")
+    b = batch()
+    with pytest.warns(RuntimeWarning, match="inductor could not compile a graph"):
+        out = mine(**b)
+    want = stock(**b)
+    torch.testing.assert_close(out.loss, want.loss)
+    out.loss.backward(), want.loss.backward()
+    for (name, p), q in zip(mine.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name, rtol=1e-4, atol=1e-5)
+    rep = mine.kernelgraft_report
+    assert rep.counts()["rms_norm"] == 5 and rep.counts()["lm_head_ce"] == 1  # the kernels still serve
+    assert any("runs as captured (RuntimeError: Loop-carried variable m" in n for n in rep.notes), rep.notes

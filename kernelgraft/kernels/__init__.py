@@ -9,9 +9,6 @@ fallback to the spelling's own code (fallback.py) and the on-disk source cache (
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import torch
 
 from ..patterns import REGISTRY
@@ -100,44 +97,6 @@ def explain_withheld(out, withholds):
     return out
 
 
-def withheld_values() -> dict:
-    """{marker op: what stands for its intermediate where the model's code goes on after the graph}
-    (Family.withheld_value), for the families that withhold."""
-    out = {}
-    for family in FAMILIES.values():
-        op, value = family.withheld_marker(), family.withheld_value
-        if op is not None:
-            out[op] = value
-    return out
-
-
-def withheld_read(error: BaseException) -> str:
-    """Where a withheld intermediate was used, if `error` is that use's: the model's line that used
-    it ("`acc = logits.argmax(-1)` (train.py:12)"), else the op ("`argmax`"); "" where `error` is
-    another error."""
-    chain, e = [], error
-    while e is not None and e not in chain:  # dynamo wraps an error raised while it traced
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    op = next((o for e in chain for family in FAMILIES.values() if (o := family.withheld_read(e))), "")
-    if not op:
-        return ""
-    # an error raised while dynamo traced holds the traced user frames; else its traceback has them
-    stacks = [list(getattr(e, "real_stack", None) or []) for e in chain]
-    for frames in [*stacks, *(traceback.extract_tb(e.__traceback__) for e in chain)]:
-        users = [f for f in frames if f.line and not any(d in f.filename for d in _OWN_DIRS)]
-        if users:
-            f = users[-1]
-            return f"`{f.line.strip()}` ({os.path.basename(f.filename)}:{f.lineno})"
-    return f"`{op}`"
-
-
-# where the frames of torch and kernelgraft are (not the model's code)
-_OWN_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
-    os.path.dirname(os.path.dirname(__file__)) + os.sep,
-)
-
-
 def served_kinds() -> dict:
     """{kind of module: the patterns that serve it} over every family ("norm": rms_norm, ...)."""
     kinds: dict = {}
@@ -184,6 +143,4 @@ __all__ = [
     "rows",
     "served_kinds",
     "source",
-    "withheld_read",
-    "withheld_values",
 ]

@@ -13,9 +13,6 @@ A spelling names the family that serves it (`@pattern(..., kernel="row")`). A fa
   recompute pass);
 - `withheld_marker()`: what a graph returns for an intermediate the kernel never makes (logits),
   and `explain_withheld(out, withholds)`: a model's output with those markers made explanatory;
-  `withheld_value()`: what stands for such an intermediate where the model's code goes on after the
-  graph (a layered capture's head graph), and `withheld_read(error)`: the op that used it, where
-  `error` is that use's;
 - `cache_files()`: the files whose code decides what the family's ops do in a compiled graph (their
   traced launches): inductor's caches are keyed by them, so a change to one compiles anew;
 - `serves`: the kinds of module a model calls that its patterns serve ({"norm": ("rms_norm", ...)}),
@@ -87,15 +84,6 @@ class Family:
         """A model's output with this family's withheld markers replaced by what explains them;
         `withholds()` confirms that the model withholds (asked only where an output looks like one)."""
         return out
-
-    def withheld_value(self):
-        """What a graph's caller gets for an intermediate this family's kernel never made, where the
-        model's own code goes on after the graph (any use of its values raises); None: no such."""
-        return None
-
-    def withheld_read(self, error: BaseException) -> str:
-        """The op that used a `withheld_value()` where `error` is that use's; "" otherwise."""
-        return ""
 
     def cache_files(self) -> tuple:
         """The files whose code decides what this family's ops do in a compiled graph."""

@@ -13,7 +13,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .._dynamo import capture_settings, fresh_entry
-from ..kernels import explain_withheld, withheld_read
+from ..kernels import explain_withheld
 from ..kernels.fallback import warn_once
 from ..options import Options, with_options_help
 from . import memory as _memory
@@ -21,6 +21,7 @@ from . import runs, startup
 from .backend import DECODING, Grafter
 from .layers import capture_layers, layer_stacks, no_cache_in_training, own_checkpointing, pass_over, sharded
 from .layers import decodes as _decodes
+from .logits_read import again_with_logits, model_line, rng_state
 from .report import RewriteReport, graph_break_reasons
 
 
@@ -155,7 +156,7 @@ class _Compiled:
 
     def __init__(self, grafter: Grafter, dynamic: bool | None, tag: str):
         self.grafter, self.dynamic, self.tag = grafter, dynamic, tag
-        self.backend = grafter  # what torch.compile is given (_Again: the grafter, captured again)
+        self.backend = grafter  # what torch.compile is given (logits_read.Again: the grafter, captured again)
         self.layers = None  # layers.LayerStack, where the layers are captured per class
         self.clock = startup.Clock()  # the first calls' timings, for the report
         self.memory_chosen = False  # Options.memory's levers chosen (at the first training call)
@@ -307,59 +308,21 @@ def _run(compiled, model, *args, **kwargs):
     training = model.training and torch.is_grad_enabled()
     if not training or compiled.trained:
         return _run_once(compiled, model, *args, **kwargs)
-    rng = _rng_state()
+    rng = rng_state()
     try:
         out = _run_once(compiled, model, *args, **kwargs)
     except Exception as e:
-        # the model's own code used logits a graph withheld (a wrapper's metric after a graph break,
-        # or after the layers' calls): captured again with the logits made, the call run again as it was
-        read = "" if compiled.grafter.logits_read else withheld_read(e)
-        if not read:
+        # a first training call that failed where a graph withheld the logits: the model's own code
+        # may have used them after that graph (a wrapper's metric after the layers' calls or a graph
+        # break). Captured again with the logits made, the call runs again as it was; an error
+        # that was not theirs comes back then
+        if compiled.grafter.logits_read or not any(s.withheld for s in model.kernelgraft_report.sites):
             raise
-        _return_logits(compiled, model, read)
-        _rng_state(rng)
+        again_with_logits(compiled, model, model_line(e) or f"{type(e).__name__}")
+        rng_state(rng)
         out = _run_once(compiled, model, *args, **kwargs)
     compiled.trained = True
     return out
-
-
-def _rng_state(state=None):
-    """The host's and the devices' random generator states (what dropout draws from); with `state`,
-    those states set back."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if state is None:
-        return torch.random.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
-    torch.random.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-    return state
-
-
-def _return_logits(compiled, model, read: str) -> None:
-    """The model captured again with its LM head's logits made (not withheld): the model's code
-    read them with `read` after the graph that would have withheld them. The report says so."""
-    grafter = compiled.grafter
-    grafter.logits_read = read
-    compiled.backend = _Again(grafter)
-    compiled.fn = compiled._entry()
-    grafter.report.forget_captures()
-    stack = compiled.layers
-    if stack is not None:
-        stack.remove()
-        compiled.layers = None
-        capture_layers(compiled, model, stack.rejected, offload=stack.offload)
-
-
-class _Again:
-    """The grafter under another identity: dynamo keeps each frame's compiled graphs per backend, so
-    the frames a graph break made (the model's code around its layers' calls) are captured again
-    too, not only the model's entry. `compiler_fn`: where DDP's graph split finds the grafter."""
-
-    def __init__(self, grafter: Grafter):
-        self.compiler_fn = grafter
-
-    def __call__(self, gm, example_inputs):
-        return self.compiler_fn(gm, example_inputs)
 
 
 def _run_once(compiled, model, *args, **kwargs):

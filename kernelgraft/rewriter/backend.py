@@ -15,7 +15,6 @@ import torch
 from torch._guards import CompileContext
 from torch._subclasses.fake_tensor import is_fake
 
-from ..kernels import withheld_values
 from ..kernels.fallback import warn_once
 from ..options import Options
 from ..patterns import REGISTRY, Registry, Spelling
@@ -154,7 +153,6 @@ class Grafter:
             _under(grafted, LAYERS.get())
         self.report.extend(grafted, frame=_frame_id(), capture=self.capture_kind())
         compiled = self._lower(gm, example_inputs)
-        compiled = Withholding.around(gm, compiled)
         checks = gm.meta.pop(attention.META, None)
         if not checks:
             return compiled
@@ -325,36 +323,6 @@ class MaskChecked:
         if self.fallback is None:
             self.fallback = self.make_fallback(args)
         return self.fallback(*args)
-
-
-class Withholding:
-    """A compiled graph whose outputs include withheld intermediates (the fused LM head's logits):
-    each is handed out as what stands for it (WithheldLogits), which raises on any use of its
-    values. Where the graph is a piece of the model's call (the head graph of a model captured per
-    layer class, or after any graph break) the model's code after it may read the logits: that read
-    then says so (api's _run captures again, returning them) instead of reading an empty marker."""
-
-    def __init__(self, compiled, stand_ins: dict):
-        self.compiled, self.stand_ins = compiled, stand_ins
-
-    @classmethod
-    def around(cls, gm: torch.fx.GraphModule, compiled):
-        values = withheld_values()
-        out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
-        flat = out.args[0] if out is not None and isinstance(out.args[0], (tuple, list)) else ()
-        stand_ins = {
-            i: values[n.target] for i, n in enumerate(flat) if isinstance(n, torch.fx.Node) and n.target in values
-        }
-        return cls(compiled, stand_ins) if stand_ins else compiled
-
-    def __call__(self, *args):
-        got = self.compiled(*args)
-        if any(is_fake(a) for a in args):  # a trace (DDP's graph splitter): shapes only
-            return got
-        got = list(got)
-        for i, make in self.stand_ins.items():
-            got[i] = make()
-        return got
 
 
 def _under(report: RewriteReport, path: str) -> None:

@@ -39,12 +39,6 @@ class LMHeadFamily(Family):
     def explain_withheld(self, out, withholds):
         return explain_markers(out, withholds)
 
-    def withheld_value(self):
-        return WithheldLogits()
-
-    def withheld_read(self, error: BaseException) -> str:
-        return error.op if isinstance(error, LogitsWithheld) else ""
-
     def cache_files(self) -> tuple:
         return (kernel.__file__, op.__file__)
 

@@ -126,17 +126,15 @@ class Options:
     checkpoints off the device. It replaces Hugging Face's gradient checkpointing where that is on.
     `None`: on where `memory` needs it."""
 
-    capture: str = "layers"
-    """How the model is captured. `"layers"` (the default): its decoder layers (the model's layer
-    stack: the `nn.ModuleList` of one class that its config's layer count names) through one
-    compiled graph per layer class, which serves every layer: dynamo, the rewriter and inductor run
-    once for it, whatever the depth, and the rest of the model (embeddings, final norm, LM head and
-    loss) is captured around them; a model without a layer stack is captured whole, and the report
-    says why. `"whole"`: the model in one graph (every layer traced, rewritten and compiled on its
-    own: the first call's compile grows with depth; fusions may cross the layers' boundaries). On
-    the measured rows the layers' capture starts in about half the time and runs as fast or faster
-    per step (benchmarks/RESULTS.md). `offload` (and a `memory` that offloads) captures the layers
-    so whatever this says."""
+    capture: str = "whole"
+    """How the model is captured. `"whole"`: the model in one graph (every layer traced, rewritten
+    and compiled on its own: the first call's compile grows with depth; fusions cross the layers'
+    boundaries). `"layers"`: its decoder layers (the model's layer stack: the `nn.ModuleList` of one
+    class that its config's layer count names) through one compiled graph per layer class, which
+    serves every layer: dynamo, the rewriter and inductor run once for it, whatever the depth, and
+    the rest of the model (embeddings, final norm, LM head and loss) is captured around them; a
+    model without a layer stack is captured whole, and the report says why. `offload` (and a
+    `memory` that offloads) captures the layers so whatever this says."""
 
     tile_tokens: int | None = None
     """Training graphs: the token-wise regions (norms, projections, gated MLPs, residual adds) whose

@@ -21,7 +21,7 @@ from . import runs, startup
 from .backend import DECODING, Grafter
 from .layers import capture_layers, layer_stacks, no_cache_in_training, own_checkpointing, pass_over, sharded
 from .layers import decodes as _decodes
-from .logits_read import again_with_logits, model_line, rng_state
+from .recapture import again_with_logits, model_line, recapture, rng_state
 from .report import RewriteReport, graph_break_reasons
 
 
@@ -156,7 +156,7 @@ class _Compiled:
 
     def __init__(self, grafter: Grafter, dynamic: bool | None, tag: str):
         self.grafter, self.dynamic, self.tag = grafter, dynamic, tag
-        self.backend = grafter  # what torch.compile is given (logits_read.Again: the grafter, captured again)
+        self.backend = grafter  # what torch.compile is given (recapture.Again: the grafter, captured again)
         self.layers = None  # layers.LayerStack, where the layers are captured per class
         self.clock = startup.Clock()  # the first calls' timings, for the report
         self.memory_chosen = False  # Options.memory's levers chosen (at the first training call)
@@ -174,8 +174,7 @@ class _Compiled:
 
     def __call__(self, model, *args, **kwargs):
         if self._hooks_changed(model):
-            self.fn = self._entry()
-            self.grafter.report.forget_captures()  # the new entry's captures are what runs now
+            recapture(self, model)  # the new captures are what runs now
         out = self.fn(model, *args, **kwargs)
         if self.grafter.report.graphs != self.graphs:  # a new capture: modules may have changed
             self.graphs = self.grafter.report.graphs

@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._dynamo import fresh_entry
 from .backend import LAYERS
+from .layer_cache import with_layer_cache
 from .offload import Offloader, checkpointed
 
 
@@ -332,7 +333,7 @@ def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):
     """A decoder layer's call in place of its forward: the class's compiled graph, checkpointed
     with its input offloaded in an offloaded training call. `index`: the layer's place in the stack
     (the first starts a forward)."""
-    kwargs = _with_layer_cache(stack, layer, index, kwargs)
+    kwargs = with_layer_cache(stack, layer, index, kwargs)
     args, kwargs = _hidden_with_grad(layer, args, kwargs)
     run = stack.run_for(index, run)
     # a stack its first training call showed is none runs as it is, until the model's call is done
@@ -382,71 +383,6 @@ def _not_a_layer(args, kwargs, out) -> str:
     if made.shape != hidden.shape:
         return f"returns {list(made.shape)} for hidden states of {list(hidden.shape)}"
     return ""
-
-
-# the names a decoder layer's call gives the KV cache, across transformers releases
-_CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
-
-
-class LayerCache:
-    """One decoder layer's slot of a transformers `Cache`, as that layer reads it: `update` and the
-    queries by layer index go to the slot, whatever index the layer passes (the index is the
-    layer's own: `_with_layer_cache` checks it), so the layer's graph does not depend on it; what
-    else the layer asks goes to the whole cache."""
-
-    def __init__(self, cache, slot):
-        self.cache, self.slot = cache, slot
-
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        return self.slot.update(key_states, value_states, *args, **kwargs)
-
-    def get_seq_length(self, layer_idx=0):
-        return self.slot.get_seq_length()
-
-    def get_mask_sizes(self, query_length, layer_idx=None):
-        return self.slot.get_mask_sizes(query_length)
-
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
-
-
-def _with_layer_cache(stack: LayerStack, layer, index: int, kwargs: dict) -> dict:
-    """The layer's call with the KV cache it is given replaced by its slot's `LayerCache`, where
-    the cache is a transformers `Cache` of per-layer slots that fills them itself (not offloading
-    them to the host), and the layer's `layer_idx` (its own or its attention's) is its place in the
-    stack; else the call as it is (a graph per layer, each correct)."""
-    name = next((k for k in _CACHE_NAMES if kwargs.get(k) is not None), None)
-    if name is None:
-        return kwargs
-    cache = kwargs[name]
-    slots = getattr(cache, "layers", None)
-    ok = (
-        isinstance(slots, list)
-        and not getattr(cache, "offloading", False)
-        and type(cache).update is _cache_update(type(cache))
-        and _layer_index(layer) == index
-        and (index < len(slots) or getattr(cache, "layer_class_to_replicate", None) is not None)
-    )
-    stack.cache_views[0 if ok else 1] += 1
-    if not ok:
-        return kwargs
-    while len(slots) <= index:  # as Cache.update fills a cache made without its slots
-        slots.append(cache.layer_class_to_replicate())
-    return {**kwargs, name: LayerCache(cache, slots[index])}
-
-
-@functools.cache
-def _cache_update(cls):
-    """transformers' `Cache.update` where `cls` is a Cache that keeps it (a subclass with its own
-    update may do more than update the slot); None otherwise."""
-    base = next((c for c in cls.__mro__ if c.__name__ == "Cache" and "transformers" in c.__module__), None)
-    return base.update if base is not None else None
-
-
-def _layer_index(layer) -> int | None:
-    """The `layer_idx` the layer and its submodules hold, where they agree on one; None otherwise."""
-    found = {getattr(m, "layer_idx", None) for m in layer.modules()} - {None}
-    return found.pop() if len(found) == 1 else None
 
 
 def no_cache_in_training(model, kwargs: dict, layered: bool) -> dict:

@@ -490,7 +490,7 @@ def test_a_graph_inductor_cannot_compile_with_its_launches_is_compiled_with_host
     said = [str(w.message) for w in caught if "could not compile this graph" in str(w.message)]
     assert len(said) == 1 and "forced: a traced kernel" in said[0], said
     rep = mine.kernelgraft_report
-    assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2, "sdpa": 2, "gqa": 2}
+    assert rep.counts() == {"rms_norm": 5, "lm_head_ce": 1, "rope": 4, "gated_mlp": 2}
     assert set(rep.launched_by) == {"host: inductor's launches failed to compile"}, rep.launched_by
     assert rep.launched_by["host: inductor's launches failed to compile"] >= 10
 

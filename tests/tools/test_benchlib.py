@@ -163,7 +163,7 @@ def test_modes_take_turns_each_with_the_globals_it_was_built_with():
         modeling_llama.apply_rotary_pos_emb = stock
     # 2 layers, a call per layer per step: the stand-in's first step, warm-up and its 3 turns only
     assert len(calls) == 2 * (2 + rounds), len(calls)
-    assert got["kernelgraft (eager)"]["sites"] and got["kernelgraft (eager)"]["sites"]["rms_norm"] == 5
+    assert got["kernelgraft (eager)"]["sites"] and got["kernelgraft (eager)"]["sites"]["rms_norm"] == 5, got["kernelgraft (eager)"]["sites"]
     for m, v in got.items():
         assert len(v["times_ms"]) == rounds and v["tok_s"] > 0 and v["peak_gib"] is None, m
         assert (

@@ -1,4 +1,11 @@
-"""A model whose own code reads the logits after the graph that withheld them.
+"""A model captured again: after its hooks changed, or where its own code read the logits after the
+graph that withheld them.
+
+Dynamo keeps each frame's compiled graphs per code object and backend; a new entry for the model
+alone would leave the frames a graph break made (the model's code around its layers' calls) running
+their old graphs, whose records the report has dropped. `recapture` makes a new entry, gives the
+grafter a new identity for dynamo (`Again`), and makes the layers' entries anew, so every graph the
+model runs is captured again and reported.
 
 In a training call the fused LM head + loss withholds the logits (the graph returns an empty marker
 in their place). Captured whole, a forward that also reads them is seen in the graph and the head is
@@ -69,8 +76,13 @@ class Again:
 def again_with_logits(compiled, model, read: str) -> None:
     """The model captured again with its LM head's logits made (not withheld): the model's code read
     them (`read`: where) after the graph that withheld them. The report says so."""
+    compiled.grafter.logits_read = read
+    recapture(compiled, model)
+
+
+def recapture(compiled, model) -> None:
+    """Every graph of the model captured anew from its next call (api's _Compiled)."""
     grafter = compiled.grafter
-    grafter.logits_read = read
     compiled.backend = Again(grafter)
     compiled.fn = compiled._entry()
     grafter.report.forget_captures()

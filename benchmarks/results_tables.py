@@ -471,7 +471,9 @@ UNSLOTH = {
     "one; then a second process with the caches the first left: the warm one. Random weights, bf16, SDPA, "
     "forward + backward, no optimizer; tokens/s by wall time; GiB: the peak above the step's start. "
     "kernelgraft captures the model whole, kernelgraft (layers) one graph per decoder-layer class. In "
-    "brackets: over Unsloth's cold first step.",
+    "brackets: over Unsloth's cold first step. Each row is one run (a GPU call, one host; the file's `runs` "
+    "give each row's commit): compare modes within a row, not across rows (hosts of one card "
+    "differ).",
     "optional": True,  # rendered once a run is published as benchmarks/results/unsloth/<date>-unsloth.json
     "files": {"u": "unsloth/unsloth"},
     "columns": ["row", "mode", "tokens/s", "device ms", "peak GiB", "first step s, cold", "first step s, warm"],

@@ -7,9 +7,11 @@ turns, one `generate()` each per round), each round's time over torch.compile's,
 (compiles included), and how many sequences are token for token eager's (random weights make
 near-ties between the top two logits, where any other rounding may pick the other token: the first
 position where a sequence leaves eager's is reported with the gap between eager's top two logits
-there, so a divergence at a near-tie can be told from one that is not).
+there, so a divergence at a near-tie can be told from one that is not). With --cold each mode runs
+in a process of its own with fresh compile caches (its first generate() then pays every compile, as
+a user's first call does; the rounds are timed beside eager's in that process).
 
-    python benchmarks/bench_decode.py [--out DIR] [--batches 1,8] [--prompt 128] [--new 64] [--rounds 5]
+    python benchmarks/bench_decode.py [--out DIR] [--batches 1,8] [--prompt 128] [--new 64] [--rounds 5] [--cold]
         -> DIR/decode.json, DIR/decode.md
 """
 
@@ -20,6 +22,7 @@ import datetime
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -29,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from benchlib import failed_kernels_note  # noqa: E402
+from benchlib import cache_env, failed_kernels_note  # noqa: E402
 from suite import SHAPES, apply_mode  # noqa: E402
 
 MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)")
@@ -169,6 +172,36 @@ def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None
     return res
 
 
+def cold_runs(batches, prompt: int, new: int, modes, rounds: int, out: str, run=subprocess.run) -> dict:
+    """Every mode but eager in a process of its own whose compile caches (inductor's, Triton's,
+    kernelgraft's) are fresh, so that its first generate() is a cold start, as a user's first is;
+    its rounds are timed in that process beside eager's. -> run()'s result, eager's from the first
+    process. `run`: how a process is run (subprocess.run)."""
+    import tempfile
+
+    res: dict = {f"batch {B}": {} for B in batches}
+    for mode in [m for m in modes if m != "eager"]:
+        with tempfile.TemporaryDirectory(prefix="kg_decode_") as folder:
+            argv = [
+                sys.executable, os.path.abspath(__file__), "--out", os.path.join(folder, "out"),
+                "--batches", ",".join(map(str, batches)), "--prompt", str(prompt), "--new", str(new),
+                "--modes", mode, "--rounds", str(rounds),
+            ]  # fmt: skip
+            done = run(argv, env={**os.environ, **cache_env(folder)}, capture_output=True, text=True)
+            try:
+                got = json.load(open(os.path.join(folder, "out", "decode.json")))["decode"]
+            except (OSError, ValueError, KeyError):
+                tail = (getattr(done, "stderr", "") or "").strip().splitlines()[-1:] or ["no output"]
+                for key in res:
+                    res[key][mode] = dict(error=f"its process failed: {tail[0]}"[:300])
+                continue
+            for key, modes_got in got.items():
+                for m, r in modes_got.items():
+                    if m == mode or (m == "eager" and "eager" not in res[key]):
+                        res[key][m] = r
+    return {key: dict(sorted(v.items(), key=lambda kv: kv[0] != "eager")) for key, v in res.items()}
+
+
 def markdown(res: dict) -> str:
     L = []
     for key, modes in res.items():
@@ -207,14 +240,23 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds, every mode once per round")
+    ap.add_argument(
+        "--cold", action="store_true",
+        help="each mode in a process of its own with fresh compile caches: its first generate() is a cold start",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode: needs a CUDA GPU (the numbers are GPU timings)", file=sys.stderr)
         return 2
     os.makedirs(a.out, exist_ok=True)
     batches = tuple(int(b) for b in a.batches.split(","))
-    res = run(batches, a.prompt, a.new, tuple(m.strip() for m in a.modes.split(",")), rounds=a.rounds)
-    doc = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), decode=res)
+    modes = tuple(m.strip() for m in a.modes.split(","))
+    if a.cold:
+        res = cold_runs(batches, a.prompt, a.new, modes, a.rounds, a.out)
+    else:
+        res = run(batches, a.prompt, a.new, modes, rounds=a.rounds)
+    day = datetime.date.today().isoformat()
+    doc = dict(date=day, gpu=torch.cuda.get_device_name(), decode=res, cold=a.cold)
     failed = failed_kernels_note(doc)
     json.dump(doc, open(os.path.join(a.out, "decode.json"), "w"), indent=1)
     md = f"Greedy decoding, bf16, {doc['gpu']}, {doc['date']}\n" + markdown(res) + failed

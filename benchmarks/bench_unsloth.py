@@ -41,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from benchlib import names, provenance, versions_text  # noqa: E402
+from benchlib import cache_env, names, provenance, versions_text  # noqa: E402
 from suite_args import SHAPES  # noqa: E402
 
 # what the results file says of the run: the versions of what is measured
@@ -310,17 +310,6 @@ def run_one(row: str, mode: str, steps: int, models: str, first_only: bool = Fal
     if mode.startswith("unsloth"):
         out["process"] = "own process (Unsloth patches transformers' classes at import)"
     return out
-
-
-def cache_env(folder: str) -> dict:
-    """Every compile cache a mode fills, under `folder`: inductor's (its FX graphs and AOTAutograd's),
-    Triton's, kernelgraft's generated kernels and Unsloth's compiled modules."""
-    return dict(
-        TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
-        TRITON_CACHE_DIR=os.path.join(folder, "triton"),
-        KERNELGRAFT_CACHE_DIR=os.path.join(folder, "kernelgraft"),
-        UNSLOTH_COMPILE_LOCATION=os.path.join(folder, "unsloth_compiled_cache"),
-    )
 
 
 def cold_and_warm(row: str, mode: str, steps: int, models: str) -> dict:

@@ -15,6 +15,17 @@ import torch
 COPY_RATE = 4275e9
 
 
+def cache_env(folder: str) -> dict:
+    """Every compile cache a mode fills, under `folder`: inductor's (its FX graphs and AOTAutograd's),
+    Triton's, kernelgraft's generated kernels and Unsloth's compiled modules."""
+    return dict(
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
+        TRITON_CACHE_DIR=os.path.join(folder, "triton"),
+        KERNELGRAFT_CACHE_DIR=os.path.join(folder, "kernelgraft"),
+        UNSLOTH_COMPILE_LOCATION=os.path.join(folder, "unsloth_compiled_cache"),
+    )
+
+
 def failed_kernels_note(doc: dict) -> str:
     """The generated kernels that failed in this process, recorded in `doc` ("kernels_failed") and
     as a Markdown paragraph to append to the table ('' where none failed). Their sites ran the

@@ -40,3 +40,35 @@ def test_agreement_reports_where_a_sequence_leaves_eagers():
     got = dict(tokens=[[1, 2, 3], [4, 7, 6]])
     a = bench_decode.agreement(ref, got)
     assert a == dict(identical=1, of=2, diverged=[dict(sequence=1, position=1, top_two_gap=None)])
+
+
+def test_cold_runs_each_mode_in_a_process_of_its_own_with_fresh_caches(tmp_path):
+    """--cold: each mode but eager in a process of its own, every compile cache a fresh folder of its
+    own; the results merged with eager's from the first process, eager first; a process that fails
+    is said in its mode's row."""
+    import json
+    import os
+
+    seen = []
+
+    def run(argv, env, **kw):
+        mode = argv[argv.index("--modes") + 1]
+        caches = {k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KERNELGRAFT_CACHE_DIR")}
+        seen.append((mode, caches))
+        if mode == "broken":
+            return type("Done", (), {"stderr": "Traceback...\nRuntimeError: boom\n"})()
+        out = argv[argv.index("--out") + 1]
+        os.makedirs(out)
+        rows = {"eager": {"tok_s": 1.0, "first_call_s": 0.5}, mode: {"tok_s": 2.0, "first_call_s": len(seen)}}
+        json.dump({"decode": {"batch 1": rows}}, open(os.path.join(out, "decode.json"), "w"))
+        return type("Done", (), {"stderr": ""})()
+
+    modes = ("eager", "torch.compile", "kernelgraft (inductor)", "broken")
+    res = bench_decode.cold_runs((1,), 8, 4, modes, 1, str(tmp_path), run=run)
+    assert [m for m, _ in seen] == ["torch.compile", "kernelgraft (inductor)", "broken"]
+    folders = [set(c.values()) for _, c in seen]
+    assert all(len(f) == 3 for f in folders) and not folders[0] & folders[1]  # fresh, and not shared
+    got = res["batch 1"]
+    assert list(got) == ["eager", "torch.compile", "kernelgraft (inductor)", "broken"]
+    assert got["torch.compile"]["first_call_s"] == 1 and got["kernelgraft (inductor)"]["first_call_s"] == 2
+    assert got["broken"] == {"error": "its process failed: RuntimeError: boom"}

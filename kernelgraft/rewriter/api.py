@@ -304,8 +304,7 @@ def _choose_memory(compiled, model, args, kwargs) -> None:
 
 
 def _run(compiled, model, *args, **kwargs):
-    training = model.training and torch.is_grad_enabled()
-    if not training or compiled.trained:
+    if compiled.trained or not (model.training and torch.is_grad_enabled()):
         return _run_once(compiled, model, *args, **kwargs)
     rng = rng_state()
     try:

@@ -92,8 +92,8 @@ class Grafter:
         self.limit_hits: list[str] = []  # dynamo's recompile limits hit in its model's calls
         self.graph_runs: list[int] = []  # runs of each compiled graph (runs.counted), by their order
         self.graph_keys: list = []  # and the capture each belongs to
-        # how the model's code read logits a layered capture's head graph withheld ("`argmax`"):
-        # its graphs are captured again returning them (api's _run; "" while none was read)
+        # where the model's code read logits a graph withheld, after that graph (its line): the
+        # model is captured again with them made (recapture.py; "" while none was read)
         self.logits_read = ""
         self.rewrite_seconds = 0.0  # time spent in the pipeline (graft), for the report's startup lines
         # graph nodes handed to the pipeline and to the lowering (inductor's or eager's): the work of

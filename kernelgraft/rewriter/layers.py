@@ -112,9 +112,9 @@ class LayerStack:
         # torch's own norm modules outside the layers (a final nn.LayerNorm): the model's frame around
         # the layers' calls may run as Python, and dynamo traces no frame of torch.nn, so each runs a
         # compiled entry of its own ((path, module, call) each)
+        inside = {id(m) for m in self.layers.modules()}
         self.edges = [
-            (path, m, None) for path, m in model.named_modules()
-            if type(m) in _TORCH_NORMS and not any(m is x for x in self.layers.modules())
+            (path, m, None) for path, m in model.named_modules() if type(m) in _TORCH_NORMS and id(m) not in inside
         ]
         self.installed = False
 
@@ -350,6 +350,13 @@ def _call(stack: LayerStack, layer, run, index: int, *args, **kwargs):
     return out
 
 
+def _hidden(args: tuple, kwargs: dict):
+    """A layer call's hidden states: the first positional argument or `hidden_states`, a floating
+    point tensor; None where the call has none."""
+    given = [*args[:1], kwargs.get("hidden_states")]
+    return next((t for t in given if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
 def _hidden_with_grad(layer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The call with its hidden states asking for a gradient where a gradient is being recorded and
     the layer has parameters that take one: a LoRA model's first layer reads frozen embeddings, and
@@ -358,13 +365,8 @@ def _hidden_with_grad(layer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     more pass through the first layer's input projections, is dropped."""
     if not torch.is_grad_enabled():
         return args, kwargs
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if (
-        not isinstance(hidden, torch.Tensor)
-        or hidden.requires_grad
-        or not hidden.is_floating_point()
-        or not any(p.requires_grad for p in layer.parameters())
-    ):
+    hidden = _hidden(args, kwargs)
+    if hidden is None or hidden.requires_grad or not any(p.requires_grad for p in layer.parameters()):
         return args, kwargs
     hidden = hidden.detach().requires_grad_()
     if args:
@@ -375,8 +377,7 @@ def _hidden_with_grad(layer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _not_a_layer(args, kwargs, out) -> str:
     """Why a call's module is not a decoder layer (its hidden states, the first positional tensor or
     `hidden_states`, come out in another shape, as an output head's logits do); "" where it is."""
-    given = [*args[:1], kwargs.get("hidden_states")]
-    hidden = next((t for t in given if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    hidden = _hidden(args, kwargs)
     made = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
     if hidden is None or made is None:
         return "takes or returns no hidden states (a floating point tensor, first or as hidden_states)"

@@ -46,8 +46,8 @@ class Graft:
     training: bool = True  # the sites run with gradients (the LM head is fused only then)
     runtime_masks: bool = True  # masks read from graph inputs may be checked at run time
     heads: tuple = ()  # the model's output embeddings (output_heads): where an LM head + loss is expected
-    # how the model's code read logits this graph once withheld, after the graph ("`argmax`"): a
-    # layered capture's head graph then returns them ("": none read)
+    # where the model's code read logits an earlier capture withheld, after the graph (its line):
+    # this graph then returns them ("": none read)
     logits_read: str = ""
     report: RewriteReport = field(default_factory=lambda: RewriteReport(graphs=1))
     canonical: CGraph | None = None

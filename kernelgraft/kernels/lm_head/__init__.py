@@ -12,7 +12,7 @@ from ..family import Family, KernelSource, register
 from . import kernel, op, transform
 from .kernel import kernel_name, kernel_source, rounds_as
 from .op import LMHeadOp, defers, op_for, refusal
-from .withheld import WITHHELD_MESSAGE, LogitsWithheld, WithheldLogits, explain_markers, marker_op
+from .withheld import WITHHELD_MESSAGE, WithheldLogits, explain_markers, marker_op
 
 
 class LMHeadFamily(Family):
@@ -45,4 +45,4 @@ class LMHeadFamily(Family):
 
 FAMILY = register(LMHeadFamily())
 
-__all__ = ["FAMILY", "WITHHELD_MESSAGE", "LMHeadFamily", "LogitsWithheld", "LMHeadOp", "WithheldLogits", "explain_markers", "op_for"]
+__all__ = ["FAMILY", "WITHHELD_MESSAGE", "LMHeadFamily", "LMHeadOp", "WithheldLogits", "explain_markers", "op_for"]

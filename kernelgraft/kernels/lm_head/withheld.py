@@ -46,14 +46,6 @@ _INSPECTED = tuple(
 _PASSED_ON = (torch.Tensor.clone, torch.Tensor.detach)
 
 
-class LogitsWithheld(RuntimeError):
-    """A use of withheld logits' values; `op`: the function that used them ("argmax")."""
-
-    def __init__(self, op: str):
-        super().__init__(WITHHELD_MESSAGE)
-        self.op = op
-
-
 class WithheldLogits(torch.Tensor):
     """Stands where a training forward would have returned logits that the fused LM head never made:
     any use of their values raises an error that says how to get them. Autograd metadata can be
@@ -70,20 +62,12 @@ class WithheldLogits(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         if func in _PASSED_ON:
             return WithheldLogits()
-        raise LogitsWithheld(_name(func))
+        raise RuntimeError(WITHHELD_MESSAGE)
 
     def __repr__(self) -> str:
         return f"WithheldLogits({WITHHELD_MESSAGE})"
 
     __str__ = __repr__
-
-
-def _name(func) -> str:
-    """The function's name, an attribute read as `.shape`."""
-    owner = getattr(func, "__self__", None)
-    if getattr(func, "__name__", "") == "__get__" and hasattr(owner, "__name__"):
-        return f".{owner.__name__}"
-    return getattr(func, "__name__", str(func))
 
 
 def _marker(v) -> bool:

@@ -75,7 +75,14 @@ class RowFamily(Family):
     def cache_files(self) -> tuple:
         # the generator's files too: a kernel whose source they change is not the one a cached graph ran
         made = (build.__file__, codegen.__file__, derive.__file__, emit.__file__, spec.__file__)
-        return (ops.__file__, launch.__file__, layout.__file__, tuning.__file__, str(tuning.TABLE_PATH), *made)
+        return (
+            ops.__file__,
+            launch.__file__,
+            layout.__file__,
+            tuning.__file__,
+            str(tuning.TABLE_PATH),
+            *made,
+        )
 
     def adding_input(self, spelling, args):
         return adding_input(spelling, args)

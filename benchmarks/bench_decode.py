@@ -32,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from benchlib import cache_env, failed_kernels_note  # noqa: E402
+from benchlib import cache_env, failed_kernels_note, names  # noqa: E402
 from suite import SHAPES, apply_mode  # noqa: E402
 
 MODES = ("eager", "torch.compile", "kernelgraft (inductor)", "kernelgraft (eager)")
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--new", type=int, default=64, help="new tokens per sequence")
-    ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated")
+    ap.add_argument("--modes", default=",".join(MODES), help="modes, comma-separated (a comma inside parentheses does not split)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds, every mode once per round")
     ap.add_argument(
         "--cold", action="store_true",
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     batches = tuple(int(b) for b in a.batches.split(","))
-    modes = tuple(m.strip() for m in a.modes.split(","))
+    modes = tuple(names(a.modes))
     if a.cold:
         res = cold_runs(batches, a.prompt, a.new, modes, a.rounds, a.out)
     else:

@@ -323,7 +323,7 @@ def apply_mode(model, mode: str):
     """A built model as `mode` runs it: as is (eager), model.compile() (also "... (reduce-overhead)",
     "... (cpp wrapper)"), kernelgraft.optimize()
     ("kernelgraft (inductor)", "kernelgraft (eager)", "... bf16 dW", "... no recompute", "... separate
-    recompute", "... layers" (capture="layers": one compiled graph per decoder-layer class),
+    recompute", "... layers" (capture="layers", the default: one compiled graph per decoder-layer class), "... whole" (capture="whole": the model in one graph),
     "... reduce-overhead" (CUDA graphs), "... host launch" (the Python launcher per call), "... inference kernels" (row kernels in graphs without gradients too), "... no projections" (q/k/v and gate/up as separate matmuls), "... python wrapper" (inductor's Python wrapper for every graph, decoding's too), "... ddp pieces 200 MB", "... ddp pieces at buckets"), or Liger's
     patch (of a peft model's base model)."""
     if mode == "torch.compile":
@@ -352,7 +352,7 @@ def apply_mode(model, mode: str):
             fuse_projections="no projections" not in mode,
             wrapper="python" if "python wrapper" in mode else "auto",
             lm_head_accumulate=acc,
-            capture="layers" if "layers" in mode else "whole",
+            **({"capture": "whole"} if "whole" in mode else {"capture": "layers"} if "layers" in mode else {}),
             **piece,
             recompute=False
             if "no recompute" in mode

@@ -8,6 +8,7 @@ its own slot instead, whatever index it passes, so one graph serves every layer 
 from __future__ import annotations
 
 import functools
+import weakref
 
 # the names a decoder layer's call gives the KV cache, across transformers releases
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -69,6 +70,14 @@ def _cache_update(cls):
 
 
 def _layer_index(layer) -> int | None:
-    """The `layer_idx` the layer and its submodules hold, where they agree on one; None otherwise."""
-    found = {getattr(m, "layer_idx", None) for m in layer.modules()} - {None}
-    return found.pop() if len(found) == 1 else None
+    """The `layer_idx` the layer and its submodules hold, where they agree on one; None otherwise.
+    Read once per layer: a decoding step calls every layer, and the scan of its modules cost more
+    than the rest of the call's Python."""
+    known = _INDEX.get(layer)
+    if known is None:
+        found = {getattr(m, "layer_idx", None) for m in layer.modules()} - {None}
+        known = _INDEX[layer] = (found.pop() if len(found) == 1 else None,)
+    return known[0]
+
+
+_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

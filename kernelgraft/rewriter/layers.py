@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._dynamo import fresh_entry
 from .backend import LAYERS
+from .frames import OwnFrames
 from .layer_cache import with_layer_cache
 from .offload import Offloader, checkpointed
 
@@ -116,6 +117,12 @@ class LayerStack:
         self.edges = [
             (path, m, None) for path, m in model.named_modules() if type(m) in _TORCH_NORMS and id(m) not in inside
         ]
+        # the frames around the layers made the model's own; the parent's modules outside the layers
+        # then run compiled entries of their own too
+        self.frames = OwnFrames(model, self.path)
+        inside |= {id(m) for _, m, _ in self.edges}
+        prefix = self.path.rpartition(".")[0]
+        self.edges += [(f"{prefix}.{name}" if prefix else name, m, None) for name, m in self.frames.edges(inside)]
         self.installed = False
 
     def describe(self) -> str:
@@ -168,6 +175,7 @@ class LayerStack:
                 call = _EdgeForward(functools.partial(_at, path, entry, m), m)
                 self.edges[i] = (path, m, call)
             m.forward = call
+        self.frames.install()
         self.installed = True
 
     def _entry(self, hooked: int | None = None, module=None, name: str = ""):
@@ -202,6 +210,7 @@ class LayerStack:
     def remove(self) -> None:
         for m in [*self.layers, *(m for _, m, _ in self.edges)]:
             m.__dict__.pop("forward", None)
+        self.frames.remove()
         self.installed = False
 
 

@@ -183,6 +183,31 @@ def test_torchs_own_norms_outside_the_layers_are_served_as_captured_whole(arch):
     ), outside
 
 
+def test_models_captured_per_layer_class_leave_the_processs_other_compiles_alone():
+    """The frames around the layers' calls are each model's own: more models than dynamo's
+    recompile limit are captured per layer class, each serves every site, and a plain torch.compile
+    of the same class afterwards still compiles its graph (run as transformers wrote them, those
+    frames would fill that limit for the whole process, and the plain compile would run uncompiled)."""
+    from kernelgraft._dynamo import _LIMITS
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch._dynamo.config.patch(**{k: 2 for k in _LIMITS}):
+        for seed in range(4):
+            model = kernelgraft.optimize(tiny_model("llama", seed=seed), backend="eager", capture="layers")
+            model(**batch()).loss.backward()
+            counts = model.kernelgraft_report.counts("training")
+            assert {k: counts.get(k) for k in _sites("llama", 2)} == _sites("llama", 2), (seed, counts)
+            assert counts.get("lm_head_ce") == 1, (seed, counts)
+        plain = torch.compile(tiny_model("llama"), backend=counting)
+        plain(**batch())
+    assert graphs, "the plain torch.compile ran uncompiled"
+
+
 def test_the_report_says_how_the_model_was_captured():
     whole = kernelgraft.optimize(tiny_model("llama"), backend="eager")
     whole(**batch()).loss.backward()

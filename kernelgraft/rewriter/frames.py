@@ -15,12 +15,13 @@ So the frames become the model's own:
 - the layers' container (the parent, `model.model`) runs as Python, uncompiled: it holds the layers'
   loop, which dynamo would not compile anyway, and what it computes besides (embeddings, the rotary
   tables, the attention mask) has no pattern to serve;
-- the modules it calls outside the layers with parameters of their own (the final norm) run compiled
+- the modules of the model's own classes it calls outside the layers (the final norm) run compiled
   entries of their own (layers.py's edges), so their sites are served as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 import weakref
 
@@ -67,6 +68,20 @@ class OwnForward:
     def __call__(self, *args, **kwargs):
         return self.fn(self.module(), *args, **kwargs)
 
+    # read as a bound method is: Trainer keeps the batch's columns the forward's signature names,
+    # accelerate's mixed precision wraps `forward.__func__` and binds it to the module again
+    @property
+    def __func__(self):
+        return self.fn
+
+    @property
+    def __self__(self):
+        return self.module()
+
+    @property
+    def __signature__(self):
+        return inspect.signature(types.MethodType(self.fn, self.module()))
+
     def __reduce__(self):
         return (_class_forward, (self.module(),))
 
@@ -104,8 +119,9 @@ class OwnFrames:
     the modules above it run `OwnForward`s, its parent runs as Python (`AsPython`). A module whose
     instance already holds a forward of its own (accelerate's hooks put one there) keeps it.
     `edges(inside)`: the modules the parent runs outside the layers (ids in `inside`) that take a
-    compiled entry of their own: those with parameters of their own, torch's own modules aside (an
-    embedding has no pattern to serve; torch's norms are layers.py's edges wherever they are)."""
+    compiled entry of their own: the outermost of the model's own classes (a final norm, with
+    weights or without, as OLMo's; the rotary tables), torch's own modules aside (an embedding has
+    no pattern to serve; torch's norms are layers.py's edges wherever they are)."""
 
     def __init__(self, model: torch.nn.Module, path: str):
         names = path.split(".") if path not in ("", "<top>") else []
@@ -122,9 +138,7 @@ class OwnFrames:
             return []
         found, seen = [], set(inside)
         for name, m in self.parent.named_modules():
-            if id(m) in seen or m is self.parent:
-                continue
-            if _torch_module(m) or not _has_own(m):
+            if id(m) in seen or m is self.parent or _torch_module(m):
                 continue
             found.append((name, m))
             seen.update(id(s) for s in m.modules())
@@ -144,14 +158,6 @@ class OwnFrames:
 
     def remove(self) -> None:
         for m in self.installed:
-            m.__dict__.pop("forward", None)
+            if isinstance(m.__dict__.get("forward"), OwnForward):  # one put there since stays (accelerate's)
+                del m.__dict__["forward"]
         self.installed = []
-
-
-def _has_own(m: torch.nn.Module) -> bool:
-    """Whether a module of the model's own code (not torch's) holds parameters directly or through
-    torch modules (a norm's weight, a block's linears), rather than only through modules of its
-    own kind, which are found on their own."""
-    return any(True for _ in m.parameters(recurse=False)) or any(
-        _torch_module(c) and any(True for _ in c.parameters()) for c in m.children()
-    )

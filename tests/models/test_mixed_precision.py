@@ -118,13 +118,15 @@ def test_accelerate_bf16_keeps_the_fused_head(accelerator, backend, weights):
     assert verdict.ok, str(verdict)
 
 
+@pytest.mark.parametrize("capture", ["whole", "layers"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_outputs_made_float32_on_the_way_out_keep_the_fused_head(dtype):
+def test_outputs_made_float32_on_the_way_out_keep_the_fused_head(dtype, capture):
     """accelerate's convert_outputs_to_fp32 around an autocast forward, wrapped as its
-    prepare_model wraps it (fp16 too, which accelerate enables on GPUs only): served and by the rule."""
+    prepare_model wraps it (fp16 too, which accelerate enables on GPUs only): served and by the rule.
+    Captured per layer class, the forward it wraps is the model's own copy (`forward.__func__`)."""
     stock = tiny_model("llama")
     truth_model = copy.deepcopy(stock).double()
-    mine = _as_accelerate_wraps(kernelgraft.optimize(copy.deepcopy(stock), backend="eager"), dtype)
+    mine = _as_accelerate_wraps(kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture=capture), dtype)
     stock = _as_accelerate_wraps(stock, dtype)
     verdicts, outputs = _judged(stock, mine, truth_model)
     assert all(v.ok for v in verdicts), [str(v) for v in verdicts if not v.ok]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -206,6 +207,22 @@ def test_models_captured_per_layer_class_leave_the_processs_other_compiles_alone
         plain = torch.compile(tiny_model("llama"), backend=counting)
         plain(**batch())
     assert graphs, "the plain torch.compile ran uncompiled"
+
+
+def test_the_forward_above_the_layers_reads_as_the_models_own():
+    """The modules above the layers run copies of their forward; what reads a forward as a bound
+    method reads the copy as it would the original (Trainer keeps the batch's columns the forward's
+    signature names: a signature of *args would drop every column), and a copy of the model gets its
+    class's forward back."""
+    import inspect
+
+    stock = tiny_model("llama")
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
+    assert inspect.signature(mine.forward) == inspect.signature(stock.forward)
+    assert mine.forward.__self__ is mine and mine.forward.__func__ is not type(mine).forward
+    assert mine.forward.__func__.__code__ is not type(mine).forward.__code__
+    again = pickle.loads(pickle.dumps(mine))
+    assert "forward" not in again.__dict__ or again.forward.__self__ is again
 
 
 def test_the_report_says_how_the_model_was_captured():

@@ -473,7 +473,8 @@ UNSLOTH = {
     "kernelgraft captures the model whole, kernelgraft (layers) one graph per decoder-layer class. In "
     "brackets: over Unsloth's cold first step. Each row is one run (a GPU call, one host; the file's `runs` "
     "give each row's commit): compare modes within a row, not across rows (hosts of one card "
-    "differ).",
+    "differ). A row whose name gives a card ran on that card (its `runs` entry says so), the others on the "
+    "file's.",
     "optional": True,  # rendered once a run is published as benchmarks/results/unsloth/<date>-unsloth.json
     "files": {"u": "unsloth/unsloth"},
     "columns": ["row", "mode", "tokens/s", "device ms", "peak GiB", "first step s, cold", "first step s, warm"],

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import re
 
 import torch
 
@@ -50,6 +51,13 @@ _LOGGING_KEY = next(
 )
 
 
+# whether this torch resumes a graph break inside the frames that called it (older releases that
+# have the setting are not relied on)
+_NESTED = hasattr(torch._dynamo.config, "nested_graph_breaks") and tuple(
+    map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+) >= (2, 13)
+
+
 # dynamo's recompile limits, per code object (their names differ between torch releases)
 _LIMITS = tuple(
     k
@@ -59,7 +67,7 @@ _LIMITS = tuple(
 
 
 @contextlib.contextmanager
-def capture_settings(models: int = 1):
+def capture_settings(models: int = 1, nested: bool = False):
     """Dynamo's settings while kernelgraft captures a model:
     - floats the model reads (a norm's eps, a logit scale) stay numbers in the graph: with
       dynamic shapes dynamo would make them inputs, and the patterns that take them as a Scalar
@@ -74,13 +82,18 @@ def capture_settings(models: int = 1):
     - dynamo's recompile limits are `models` times the user's: frames dynamo resumes after a graph
       break are shared by every model in the process, and once one hits its limit dynamo runs
       whichever compiled entry's guards pass, another model's too;
+    - `nested` (a model captured per layer class, whose layers' calls are graph breaks inside the
+      model's nested forwards): where torch resumes such a break inside the frames that called it
+      (`nested_graph_breaks`, relied on from torch 2.13), dynamo does so, and what follows the
+      layers (the LM head, and a loss that a module around the model computes from its logits) is
+      one graph, the head and loss fused; elsewhere each frame resumes on its own;
     Every forward of an optimized model runs inside it (any forward may capture): set with
     the config's closure patcher where torch has it, which costs a forward far less than `config.patch`."""
     cfg = torch._dynamo.config
     key = _LOGGING_KEY
     limits = tuple((k, getattr(cfg, k) * models) for k in _LIMITS) if models > 1 else ()
     change, patch = _patcher(
-        frozenset(getattr(cfg, key)) if key else frozenset(), logging_functions(), limits
+        frozenset(getattr(cfg, key)) if key else frozenset(), logging_functions(), limits, nested and _NESTED
     )
     if change is None:
         with cfg.patch(**patch):
@@ -94,11 +107,14 @@ def capture_settings(models: int = 1):
 
 
 @functools.cache
-def _patcher(base: frozenset, logging_fns: frozenset, limits: tuple = ()):
+def _patcher(base: frozenset, logging_fns: frozenset, limits: tuple = (), nested: bool = False):
     """(the closure patcher of capture_settings' changes or None, the changes) for the config's
-    current set of ignored logging functions `base` and the recompile limits to set."""
+    current set of ignored logging functions `base`, the recompile limits to set and whether graph
+    breaks resume in the frames that called them."""
     cfg = torch._dynamo.config
     patch = dict(specialize_float=True, **dict(limits))
+    if nested:
+        patch["nested_graph_breaks"] = True
     if hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         patch["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
     if _LOGGING_KEY is not None:

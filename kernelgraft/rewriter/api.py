@@ -346,7 +346,7 @@ def _run_compiled(compiled, model, *args, **kwargs):
     taken = compiled.clock.before(grafter)
     try:
         # floats as numbers, hooks guarded, logging calls no graph break, room for every live model
-        with capture_settings(models=_pow2(len(runs.LIVE))):
+        with capture_settings(models=_pow2(len(runs.LIVE)), nested=compiled.layers is not None):
             out = compiled(model, *args, **kwargs)
         kind = grafter.capture_kind()  # this call's kind of graph, as its captures are reported
     finally:

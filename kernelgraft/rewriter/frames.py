@@ -106,6 +106,13 @@ if _skip is not None:
     _skip(OwnForward.__call__.__code__)
 
 
+def _free(m: torch.nn.Module) -> bool:
+    """Whether the module runs its class's forward: none on the instance, or the class's own bound
+    to it (what a copy of an optimized model holds, `OwnForward.__reduce__`)."""
+    f = m.__dict__.get("forward")
+    return f is None or (getattr(f, "__func__", None) is type(m).forward and getattr(f, "__self__", None) is m)
+
+
 def _class_forward(module):
     return types.MethodType(type(module).forward, module)
 
@@ -148,11 +155,11 @@ class OwnFrames:
         if self.installed:
             return
         for m in self.above:
-            if "forward" not in m.__dict__:
+            if _free(m):
                 m.forward = OwnForward(m)
                 self.installed.append(m)
         p = self.parent
-        if p is not None and "forward" not in p.__dict__:
+        if p is not None and _free(p):
             p.forward = AsPython(p)
             self.installed.append(p)
 

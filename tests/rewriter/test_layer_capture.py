@@ -6,6 +6,7 @@ says how the model was captured and what its first call spent its time on."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import pickle
@@ -221,8 +222,24 @@ def test_the_forward_above_the_layers_reads_as_the_models_own():
     assert inspect.signature(mine.forward) == inspect.signature(stock.forward)
     assert mine.forward.__self__ is mine and mine.forward.__func__ is not type(mine).forward
     assert mine.forward.__func__.__code__ is not type(mine).forward.__code__
-    again = pickle.loads(pickle.dumps(mine))
-    assert "forward" not in again.__dict__ or again.forward.__self__ is again
+    # a copy is optimized anew, with copies of its own (what the original's forward pickles to, its
+    # class's forward bound to the copy, is replaced)
+    for again in (pickle.loads(pickle.dumps(mine)), copy.deepcopy(mine)):
+        assert again.forward.__self__ is again, again.forward
+        assert again.forward.__func__ not in (type(again).forward, mine.forward.__func__)
+    assert pickle.loads(pickle.dumps(mine.forward)).__func__ is type(mine).forward  # alone: the class's
+    # an instance that holds its class's forward bound to it takes the copy; one that holds a
+    # forward of another's (accelerate's hooks) keeps it
+    import types
+
+    held = tiny_model("llama")
+    held.forward = types.MethodType(type(held).forward, held)
+    kernelgraft.optimize(held, backend="eager", capture="layers")
+    assert held.forward.__func__ is not type(held).forward
+    hooked = tiny_model("llama")
+    theirs = hooked.forward = functools.partial(type(hooked).forward, hooked)
+    kernelgraft.optimize(hooked, backend="eager", capture="layers")
+    assert hooked.__dict__["forward"] is theirs
 
 
 def test_the_report_says_how_the_model_was_captured():

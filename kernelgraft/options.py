@@ -131,9 +131,10 @@ class Options:
     and compiled on its own: the first call's compile grows with depth; fusions cross the layers'
     boundaries). `"layers"`: its decoder layers (the model's layer stack: the `nn.ModuleList` of one
     class that its config's layer count names) through one compiled graph per layer class, which
-    serves every layer: dynamo, the rewriter and inductor run once for it, whatever the depth, and
-    the rest of the model (embeddings, final norm, LM head and loss) is captured around them; a
-    model without a layer stack is captured whole, and the report says why. `offload` (and a
+    serves every layer: dynamo, the rewriter and inductor run once for it, whatever the depth; the
+    final norm, the LM head and its loss are captured around them, and the layers' parent module
+    (embeddings, rotary tables, the attention mask) runs as Python; a model without a layer stack
+    is captured whole, and the report says why. `offload` (and a
     `memory` that offloads) captures the layers so whatever this says."""
 
     tile_tokens: int | None = None

@@ -35,12 +35,9 @@ def own_function(fn, depth: int = 0):
     cells = fn.__closure__
     if cells is not None and depth < 8:
         cells = tuple(_own_cell(c, depth) for c in cells)
-    # a code object of its own: equal in value, so it behaves the same, distinct for dynamo, which
-    # keeps its compiled entries on the object itself
-    code = fn.__code__.replace()
-    if code is fn.__code__:  # a Python that hands back the same object: one constant more makes it new
-        code = fn.__code__.replace(co_consts=(*fn.__code__.co_consts, None))
-    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    # a code object of its own (replace() makes a new one): equal in value, so it behaves the same,
+    # distinct for dynamo, which keeps its compiled entries on the object itself
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     copy.__dict__.update(fn.__dict__)
@@ -52,7 +49,7 @@ def _own_cell(cell, depth: int):
         value = cell.cell_contents
     except ValueError:  # an empty cell
         return cell
-    if isinstance(value, types.FunctionType) and not value.__module__.startswith("torch"):
+    if isinstance(value, types.FunctionType) and not _of_torch(value.__module__):
         return types.CellType(own_function(value, depth + 1))
     return cell
 
@@ -117,8 +114,12 @@ def _class_forward(module):
     return types.MethodType(type(module).forward, module)
 
 
+def _of_torch(module_name: str | None) -> bool:
+    return (module_name or "").split(".")[0] == "torch"
+
+
 def _torch_module(m: torch.nn.Module) -> bool:
-    return type(m).__module__.split(".")[0] == "torch"
+    return _of_torch(type(m).__module__)
 
 
 class OwnFrames:

@@ -120,7 +120,6 @@ class LayerStack:
         # the frames around the layers made the model's own; the parent's modules outside the layers
         # then run compiled entries of their own too
         self.frames = OwnFrames(model, self.path)
-        inside |= {id(m) for _, m, _ in self.edges}
         prefix = self.path.rpartition(".")[0]
         self.edges += [(f"{prefix}.{name}" if prefix else name, m, None) for name, m in self.frames.edges(inside)]
         self.installed = False

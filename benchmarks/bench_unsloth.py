@@ -196,7 +196,7 @@ def build(row: str, mode: str, models: str):
     if checkpointing(mode):
         enable_checkpointing(model)
     if mode.startswith("kernelgraft"):  # the inductor backend, captured whole or per layer class
-        mode = "kernelgraft (inductor, layers)" if "(layers" in mode else "kernelgraft (inductor)"
+        mode = "kernelgraft (inductor, layers)" if "(layers" in mode else "kernelgraft (inductor, whole)"
     return suite.apply_mode(model, mode)
 
 

@@ -81,6 +81,24 @@ def timed_generate(model, ids, kw, device: str):
     return out, time.perf_counter() - t
 
 
+def compile_marks() -> tuple[dict, int]:
+    """torch's compile clocks (seconds by the timed function's name) and its count of graphs so far."""
+    from torch._dynamo import utils
+
+    clocks = getattr(utils, "compilation_time_metrics", {})
+    return {k: sum(v) for k, v in clocks.items()}, utils.counters["stats"]["unique_graphs"]
+
+
+def compile_work(before: tuple[dict, int]) -> dict:
+    """What a call compiled since `before` (compile_marks()): the graphs dynamo made, and the
+    seconds of torch's compile stages (dynamo's frame compiles, the backend's, inductor's code
+    generation, its wait for Triton builds) that grew, largest first."""
+    clocks, graphs = compile_marks()
+    grew = {k: round(v - before[0].get(k, 0.0), 2) for k, v in clocks.items()}
+    stages = dict(sorted(((k, v) for k, v in grew.items() if v >= 0.05), key=lambda kv: -kv[1])[:12])
+    return dict(graphs=graphs - before[1], seconds=stages)
+
+
 def _result(out, again, first: float, times: list, batch: int, prompt: int, new: int) -> dict:
     med = sorted(times)[len(times) // 2]
     return dict(
@@ -142,8 +160,9 @@ def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None
         for mode, model in list(models.items()):
             try:
                 ids, kw = _request(model, B, prompt, new, device)
+                before = compile_marks()
                 out, t = timed_generate(model, ids, kw, device)
-                firsts[mode] = (ids, kw, out, t)
+                firsts[mode] = (ids, kw, out, t, compile_work(before))
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 res[key][mode] = dict(error=f"{type(e).__name__}: {e}"[:300])
@@ -152,11 +171,15 @@ def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None
         order = list(firsts)
         for r in range(rounds):
             for mode in order[r % len(order) :] + order[: r % len(order)]:
-                ids, kw, _, _ = firsts[mode]
+                ids, kw = firsts[mode][:2]
                 last[mode], t = timed_generate(models[mode], ids, kw, device)
                 times[mode].append(t)
-        for mode, (_, _, out, first) in firsts.items():
+        for mode, (_, _, out, first, work) in firsts.items():
             r = _result(out, last.get(mode, out), first, times[mode] or [first], B, prompt, new)
+            r["first_call_compiled"] = work
+            rep = getattr(models[mode], "kernelgraft_report", None)
+            if rep is not None:
+                r["captured"] = rep.captured_as.get("kind", "?")
             if "torch.compile" in times and times[mode]:
                 per = sorted(a / b for a, b in zip(times[mode], times["torch.compile"]))
                 r["vs_compile_rounds"] = [round(x, 3) for x in per]
@@ -229,6 +252,12 @@ def markdown(res: dict) -> str:
             per = r.get("vs_compile_rounds")
             rounds = f"{per[len(per) // 2]:.3f} ({per[0]:.3f}-{per[-1]:.3f})" if per else "-"
             L.append(f"| {m} | {r['tok_s']:,.1f} | {ve} | {vc} | {rounds} | {r['first_call_s']:.1f} | {same} |")
+        L.append("")
+        for m, r in modes.items():
+            work = r.get("first_call_compiled")
+            if work and work["graphs"]:
+                top = ", ".join(f"{k} {v:.1f} s" for k, v in list(work["seconds"].items())[:4])
+                L.append(f"- {m}: its first generate() compiled {work['graphs']} graph(s); torch's compile clocks: {top}")
     return "\n".join(L) + "\n"
 
 

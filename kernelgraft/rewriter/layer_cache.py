@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
+
 # the names a decoder layer's call gives the KV cache, across transformers releases
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 
@@ -58,7 +60,23 @@ def with_layer_cache(stack, layer, index: int, kwargs: dict) -> dict:
         return kwargs
     while len(slots) <= index:  # as Cache.update fills a cache made without its slots
         slots.append(cache.layer_class_to_replicate())
+    _growing(slots[index])
     return {**kwargs, name: LayerCache(cache, slots[index])}
+
+
+def _growing(slot) -> None:
+    """A filled slot's keys and values grow by a token a step: their length is a dynamic size from
+    the first step that reads them, and they are laid out as every later step's concatenation lays
+    them (the prompt's are its projections' transposed views), so the layers' decoding graph is
+    compiled once, not for the first step and again for the next (`maybe`: a cache of fixed length
+    stays specialized)."""
+    for name in ("keys", "values"):
+        t = getattr(slot, name, None)
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-2] > 1:
+            if not t.is_contiguous():
+                t = t.contiguous()  # the same values; the layout the next step's torch.cat makes
+                setattr(slot, name, t)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
 
 
 @functools.cache

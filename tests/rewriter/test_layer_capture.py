@@ -119,6 +119,22 @@ def test_eight_layers_pass_the_rule_evaluate_and_decode_as_stock(arch):
     assert "first training call:" in said and "first decoding call:" in said
 
 
+def test_the_layers_decoding_steps_share_one_graph_from_the_first():
+    """generate() per layer class: the layers compile two graphs, the prompt's and the decoding
+    steps' (the cache's length dynamic from the first step that reads it, laid out as the steps
+    lay it), not a third when that length first changes; the tokens are the stock model's."""
+    torch._dynamo.reset()
+    stock = tiny_model("llama", layers=4).eval()
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(mine.generate(ids, **kw), stock.generate(ids, **kw))
+    stack = mine.kernelgraft_report.captured_as["stack"]
+    assert dict(stack.graphs) == {"decoding": 2}, stack.graphs
+    assert stack.cache_views == [4 * 6, 0]  # every layer's call with the cache read its slot
+
+
 def _lora(make):
     from peft import LoraConfig, get_peft_model
 

@@ -30,9 +30,15 @@ def test_decode_measures_every_mode_and_compares_tokens_with_eager():
         assert mine["agreement"] == dict(identical=B, of=B, diverged=[])
         assert mine["tok_s"] > 0 and mine["first_call_s"] > 0
         assert len(mine["times_ms"]) == len(eager["times_ms"]) == 2  # one timed generate() per round
+        assert eager["first_call_compiled"]["graphs"] == 0
+    # the first generate() of a batch compiles (prefill, then decoding), and says where the time went
+    work = res["batch 1"]["kernelgraft (eager)"]["first_call_compiled"]
+    assert work["graphs"] >= 2 and work["seconds"], work
+    assert res["batch 1"]["kernelgraft (eager)"]["captured"] in ("whole", "layers")
     md = bench_decode.markdown(res)
     assert "**Greedy decoding, batch 2** (6-token prompt, 4 new tokens)" in md
     assert "| kernelgraft (eager) |" in md and "| 2 of 2 |" in md
+    assert f"- kernelgraft (eager): its first generate() compiled {work['graphs']} graph(s)" in md
 
 
 def test_agreement_reports_where_a_sequence_leaves_eagers():

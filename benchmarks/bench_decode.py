@@ -180,6 +180,7 @@ def run(batches=(1, 8), prompt=128, new=64, modes=MODES, device="cuda", cfg=None
             rep = getattr(models[mode], "kernelgraft_report", None)
             if rep is not None:
                 r["captured"] = rep.captured_as.get("kind", "?")
+                r["wrappers"] = dict(rep.wrappers)  # inductor's graphs by the language that launches their kernels
             if "torch.compile" in times and times[mode]:
                 per = sorted(a / b for a, b in zip(times[mode], times["torch.compile"]))
                 r["vs_compile_rounds"] = [round(x, 3) for x in per]

@@ -126,6 +126,21 @@ def _patcher(base: frozenset, logging_fns: frozenset, limits: tuple = (), nested
         return None, patch
 
 
+def flat_graph_breaks():
+    """Where capture_settings resumes graph breaks in the frames that called them, turn that off
+    until the returned function is called (None where it is off already): a decoder layer's own
+    entry is no frame around the layers, and torch 2.13 fails to resume a break inside a nested
+    frame's comprehension (a full backward hook's setup: UnboundLocalError '.0')."""
+    if not _NESTED or not torch._dynamo.config.nested_graph_breaks:
+        return None
+    return _flat_patcher()()
+
+
+@functools.cache
+def _flat_patcher():
+    return torch._dynamo.config._make_closure_patcher(nested_graph_breaks=False)
+
+
 @contextlib.contextmanager
 def room_for_recompiles():
     """Lift dynamo's per-code recompile limit inside this block: explain() and the torch.compile

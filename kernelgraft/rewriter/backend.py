@@ -21,6 +21,7 @@ from ..patterns import REGISTRY, Registry, Spelling
 from . import attention, ddp, launch_record, lowering, runs
 from .pipeline import graft
 from .report import _RECORDS, RewriteReport
+from .runs import LAYERS, under_layers
 
 # set around a model's call that decodes (a KV cache passed in, as generate() passes one): its
 # graphs without gradients are reported as decoding, not evaluation
@@ -28,9 +29,6 @@ DECODING = contextvars.ContextVar("kernelgraft_decoding", default=False)
 # set while an offloaded layer runs its forward under no_grad (offload.py): that graph is a training
 # step's, grafted and reported as one, and the backward runs the same kernels again with gradients
 CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelgraft_checkpointed", default=False)
-# the path of the layers whose own graph is being captured (offload.py: "model.layers.*"): the records'
-# module paths, relative to the layer, are read from the model's root
-LAYERS: contextvars.ContextVar[str] = contextvars.ContextVar("kernelgraft_layers", default="")
 
 
 def resolve_patterns(patterns) -> list:
@@ -330,7 +328,7 @@ def _under(report: RewriteReport, path: str) -> None:
     for name in _RECORDS:
         for r in getattr(report, name):
             if isinstance(getattr(r, "module", None), str):
-                r.module = path if r.module in ("", "<top>") else f"{path}.{r.module}"
+                r.module = under_layers(r.module, path)
 
 
 def _on_cuda(example_inputs) -> bool:

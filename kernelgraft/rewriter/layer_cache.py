@@ -68,8 +68,10 @@ def _growing(slot) -> None:
     """A filled slot's keys and values grow by a token a step: their length is a dynamic size from
     the first step that reads them, and they are laid out as every later step's concatenation lays
     them (the prompt's are its projections' transposed views), so the layers' decoding graph is
-    compiled once, not for the first step and again for the next (`maybe`: a cache of fixed length
-    stays specialized)."""
+    compiled once, not for the first step and again for the next (`maybe`: where the graph needs
+    the length fixed, it stays so). A slot of fixed length (a static cache's) is left as it is."""
+    if not _grows(type(slot)):
+        return
     for name in ("keys", "values"):
         t = getattr(slot, name, None)
         if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-2] > 1:
@@ -77,6 +79,13 @@ def _growing(slot) -> None:
                 t = t.contiguous()  # the same values; the layout the next step's torch.cat makes
                 setattr(slot, name, t)
             torch._dynamo.maybe_mark_dynamic(t, 2)
+
+
+@functools.cache
+def _grows(cls) -> bool:
+    """Whether a cache slot of class `cls` grows a token a step: transformers' DynamicLayer and its
+    subclasses (a sliding window's, up to its window)."""
+    return any(c.__name__ == "DynamicLayer" and "transformers" in c.__module__ for c in cls.__mro__)
 
 
 @functools.cache

@@ -28,11 +28,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from .._dynamo import fresh_entry
-from .backend import LAYERS
+from .._dynamo import flat_graph_breaks, fresh_entry
 from .frames import OwnFrames
 from .layer_cache import with_layer_cache
 from .offload import Offloader, checkpointed
+from .runs import LAYERS
 
 
 def layer_stacks(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Module]], str]:
@@ -315,9 +315,12 @@ def _in_layers(stack: LayerStack, entry, layer, *args, **kwargs):
     mark = LAYERS.set(f"{stack.path}.*")
     rep = stack.grafter.report
     before = rep.graphs
+    revert = flat_graph_breaks()
     try:
         return entry(layer, *args, **kwargs)
     finally:
+        if revert is not None:
+            revert()
         LAYERS.reset(mark)
         if rep.graphs != before:
             stack.graphs[stack.grafter.capture_kind()] += rep.graphs - before

@@ -32,6 +32,7 @@ from .attention import make_causal
 from .match import Failure, Match, Matcher, describe, near_miss
 from .replace import argument_nodes, insert_probe, pair_launches, plan_pairs, refusal, rewrite, site_record
 from .report import RewriteReport, Unserved, own_modules, readable_path
+from .runs import under_layers
 
 
 @dataclass
@@ -108,7 +109,7 @@ def _serve(g: Graft, m: Match) -> None:
     if not g.dry_run:
         g.entries.append((rec, sp, rewrite(g.gm, m, g.redirect, g.options), None))
         if rec.device:  # named by the warning if its kernel fails at run time
-            register_site(site_key(sp.qualname, rec.device, rec.dtype), rec.module)
+            register_site(site_key(sp.qualname, rec.device, rec.dtype), under_layers(rec.module))
         return
     if g.probe is None:  # the graph stays as captured: values no fx node computes stay None
         nodes = {a: c.fx for a, c in m.tensors.items()}

@@ -17,6 +17,17 @@ import torch
 
 from ..kernels.fallback import warn_once
 
+# the path of the module whose own graph is being captured (layers.py: "model.layers.*", or a norm's
+# path outside them): the records' module paths, relative to that module, read from the model's root
+LAYERS: contextvars.ContextVar[str] = contextvars.ContextVar("kernelgraft_layers", default="")
+
+
+def under_layers(module: str, path: str | None = None) -> str:
+    """`module`, relative to `path` (LAYERS' by default; none: unchanged), from the model's root."""
+    path = LAYERS.get() if path is None else path
+    return module if not path else path if module in ("", "<top>") else f"{path}.{module}"
+
+
 # the Grafter of the optimized model whose call is running
 CALLER = contextvars.ContextVar("kernelgraft_caller", default=None)
 # the Grafters of the optimized models alive in the process

@@ -35,25 +35,38 @@ def _step(model, ids, truth=False, **kw):
 
 
 def test_trls_fused_head_on_a_model_kernelgraft_compiled_with_inductor():
+    """Judged as the rule reads, beside eager and the stock model with TRL's head under
+    torch.compile (where inductor compiles that model at all)."""
     from trl.trainer.utils import add_fused_lm_head
 
     base = _model()
     gen = torch.Generator("cuda").manual_seed(0)
     batches = [torch.randint(0, 32000, (2, 256), device="cuda", generator=gen) for _ in range(BATCHES)]
-    add_fused_lm_head(stock := copy.deepcopy(base), outputs=("log_probs", "entropy", "is_top1"))
+    outputs = ("log_probs", "entropy", "is_top1")
+    add_fused_lm_head(stock := copy.deepcopy(base), outputs=outputs)
+    add_fused_lm_head(compiled := copy.deepcopy(base), outputs=outputs)
+    compiled.compile()
     mine = kernelgraft.optimize(copy.deepcopy(base), backend="inductor")
-    add_fused_lm_head(mine, outputs=("log_probs", "entropy", "is_top1"))
+    add_fused_lm_head(mine, outputs=outputs)
     wide = copy.deepcopy(base).double()
-    runs = {"truth": [], "eager": [], "mine": []}
+    runs = {"truth": [], "eager": [], "compile": [], "mine": []}
     for ids in batches:
         runs["truth"].append(_step(wide, ids, truth=True))
         runs["eager"].append(_step(stock, ids, fused_lm_head=True))
+        if runs["compile"] is not None:
+            try:
+                runs["compile"].append(_step(compiled, ids, fused_lm_head=True))
+            except Exception as e:  # noqa: BLE001 - torch.compile itself fails on this model: no such reference
+                print(f"torch.compile reference: {type(e).__name__}: {str(e)[:300]}")
+                runs["compile"] = None
         runs["mine"].append(_step(mine, ids, fused_lm_head=True))
-    joined = {who: {q: torch.cat([r[q].reshape(-1) for r in rs]) for q in rs[0]} for who, rs in runs.items()}
+    joined = {
+        who: {q: torch.cat([r[q].reshape(-1) for r in rs]) for q in rs[0]} for who, rs in runs.items() if rs
+    }
     rep = mine.kernelgraft_report
     counts = rep.counts(graph="training")
     assert counts.get("rms_norm", 0) >= 5 and counts.get("rope", 0) >= 4 and counts.get("gated_mlp", 0) >= 2, counts
     assert any("TRL's fused LM head" in n for n in rep.notes), rep.notes
-    truth, eager, got = joined["truth"], joined["eager"], joined["mine"]
-    bad = [str(v) for q in truth if not (v := judge(q, truth[q], got[q], eager[q])).ok]
-    assert not bad, "\n".join(bad)
+    truth, eager, got, comp = joined["truth"], joined["eager"], joined["mine"], joined.get("compile")
+    verdicts = [judge(q, truth[q], got[q], eager[q], None if comp is None else comp[q]) for q in truth]
+    assert all(v.ok for v in verdicts), "\n".join(map(str, verdicts))

@@ -57,8 +57,8 @@ def test_evaluation_and_generate_leave_training_graphs_alone(backend):
 def test_a_kind_that_recompiles_counts_what_its_latest_call_ran():
     """A recapture of one kind (a new sequence length without dynamic shapes) adds an entry beside
     the first, as dynamo does: counts describe the latest call (they do not double), and the other
-    kinds' records stay."""
-    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", dynamic=False)
+    kinds' records stay. Captured whole: one graph per kind and call, a site record per site."""
+    mine = kernelgraft.optimize(tiny_model("llama"), backend="eager", dynamic=False, capture="whole")
     for S in (12, 10):
         b = batch(S=S)
         mine(**b).loss.backward()

@@ -18,8 +18,8 @@ def _generate(mode: str):
     model = tiny_model("llama", torch.float32).eval()
     if mode == "torch.compile":
         model.compile(backend="eager")
-    elif mode == "kernelgraft":
-        kernelgraft.optimize(model, backend="eager")
+    elif mode == "kernelgraft":  # captured whole: the model's graphs are torch.compile's
+        kernelgraft.optimize(model, backend="eager", capture="whole")
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     with torch.no_grad():  # three prompt lengths: the second makes dynamo's sizes dynamic
@@ -70,9 +70,11 @@ def test_under_inductor_a_graph_without_gradients_leaves_its_row_sites_to_induct
         if inference == "kernels":
             assert not left and report.counts() == {"rms_norm": 5, "rope": 4, "gated_mlp": 2}
             continue
+        # a record per site: captured per layer class, the layers' sites once for both layers
+        L = 1 if report.captured_as["kind"] == "layers" else 2
         assert (
             not report.counts()
-            and sorted(f.pattern for f in left) == ["gated_mlp"] * 2 + ["rms_norm"] * 5 + ["rope"] * 4
+            and sorted(f.pattern for f in left) == ["gated_mlp"] * L + ["rms_norm"] * (2 * L + 1) + ["rope"] * (2 * L)
         )
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()  # gradients on: another capture, kernels served
@@ -106,7 +108,7 @@ def test_a_graph_that_calls_kernelgrafts_ops_is_told_from_one_that_does_not():
     model._compiled_call_impl.args[0].grafter._lower = lambda gm, ex: gms.append(gm) or gm.forward
     model(**{"input_ids": torch.randint(3, 128, (1, 8))})
     stock = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    assert backend._has_kernels(gms[0]) and not backend._has_kernels(stock)
+    assert any(backend._has_kernels(gm) for gm in gms) and not backend._has_kernels(stock)
 
 
 def test_a_cpp_wrapper_that_fails_to_compile_is_compiled_again_with_python(monkeypatch):

@@ -119,15 +119,19 @@ def test_eight_layers_pass_the_rule_evaluate_and_decode_as_stock(arch):
     assert "first training call:" in said and "first decoding call:" in said
 
 
-def test_the_layers_decoding_steps_share_one_graph_from_the_first():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_the_layers_decoding_steps_share_one_graph_from_the_first(cache):
     """generate() per layer class: the layers compile two graphs, the prompt's and the decoding
-    steps' (the cache's length dynamic from the first step that reads it, laid out as the steps
-    lay it), not a third when that length first changes; the tokens are the stock model's."""
+    steps' (a growing cache's length dynamic from the first step that reads it, laid out as the
+    steps lay it; a static cache's as it is), not a third when that length first changes; the
+    tokens are the stock model's."""
     torch._dynamo.reset()
     stock = tiny_model("llama", layers=4).eval()
     mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", capture="layers")
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
     with torch.no_grad():
         assert torch.equal(mine.generate(ids, **kw), stock.generate(ids, **kw))
     stack = mine.kernelgraft_report.captured_as["stack"]
@@ -259,7 +263,11 @@ def test_the_forward_above_the_layers_reads_as_the_models_own():
 
 
 def test_the_report_says_how_the_model_was_captured():
-    whole = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    by_default = kernelgraft.optimize(tiny_model("llama"), backend="eager")
+    by_default(**batch()).loss.backward()
+    assert by_default.kernelgraft_report.captured_as["kind"] == "layers"  # the default: per layer class
+    assert "captured per layer class: the 2 layers of model.layers" in str(by_default.kernelgraft_report)
+    whole = kernelgraft.optimize(tiny_model("llama"), backend="eager", capture="whole")
     whole(**batch()).loss.backward()
     said = str(whole.kernelgraft_report)
     assert 'captured whole: as capture="whole" asks' in said

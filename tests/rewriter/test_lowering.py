@@ -360,8 +360,10 @@ def test_the_eager_backend_calls_the_kernels_without_the_dispatcher_and_gets_the
         out = model(**b)
         out.loss.backward()
         got[swap] = [out.loss.detach()] + [p.grad for p in model.parameters()]
-        if swap:  # the graph's row op calls: 5 norms, 2 MLPs, the 2 layers' q/k pairs
-            assert swapped == [9], swapped
+        if swap:  # the graphs' row op calls: captured whole 5 norms, 2 MLPs, the 2 layers' q/k pairs;
+            # per layer class the layers' graph has one layer's 4, the final norm's graph 1
+            layers = model.kernelgraft_report.captured_as["kind"] == "layers"
+            assert sum(swapped) == (5 if layers else 9) and max(swapped) == (4 if layers else 9), swapped
     assert all(torch.equal(a, b_) for a, b_ in zip(got[False], got[True]))
 
 

@@ -1,7 +1,9 @@
 """Token-wise regions run over tiles of the sequence (Options.tile_tokens, rewriter/tiling.py): the
 loss and every gradient by the rule against float64 truth, on both backends, in float32 and bf16;
 the regions' intermediates not saved for the backward; short regions and tile_tokens=None left as
-they are."""
+they are. The models are captured whole: the regions, their tiles and what each saves are read
+per layer (`model.layers.0`...), and a region may cross a layer's boundary; the layers' graph per
+class is tiled by the same pass."""
 
 import copy
 
@@ -51,7 +53,7 @@ def test_tiled_regions_keep_the_loss_and_every_gradient_by_the_rule(arch, backen
     # 24 tokens: three tiles of 8; 20: two of 8 and one of 4. Beside torch.compile's reference one
     # length per model: its own compile of another length makes the next capture's sizes symbolic
     stock = tiny_model(arch, dtype)
-    mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend, tile_tokens=TILE, dynamic=False)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend=backend, tile_tokens=TILE, dynamic=False, capture="whole")
     batches = [batch(seed=i, S=S) for i, S in enumerate(lengths)]
     # inductor's bf16 rounding is judged beside torch.compile's; the rest beside eager's alone (stricter)
     _ok(compare_models(mine, stock, batches, compiled=backend == "inductor" and dtype == torch.bfloat16))
@@ -66,7 +68,7 @@ def test_one_graph_of_symbolic_sizes_serves_every_length():
     # dynamic shapes: the regions judged by the captured length; a call shorter than the tile runs
     # one tile
     stock = tiny_model("llama")
-    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=TILE, dynamic=True)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=TILE, dynamic=True, capture="whole")
     _ok(compare_models(mine, stock, [batch(seed=i, S=S) for i, S in enumerate((24, 20, 6))], compiled=False))
     rep = mine.kernelgraft_report
     assert rep.graphs == 1
@@ -79,7 +81,7 @@ def test_lora_adapters_on_every_linear_by_the_rule():
     torch.manual_seed(0)
     cfg = LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
     stock = get_peft_model(tiny_model("llama", torch.bfloat16), cfg)
-    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=TILE, dynamic=False)
+    mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=TILE, dynamic=False, capture="whole")
     verdicts = compare_models(mine, stock, batch(S=20), compiled=False)
     _ok(verdicts)
     assert sum("lora_A" in v.what or "lora_B" in v.what for v in verdicts) == 2 * 7 * 2  # every adapter
@@ -109,7 +111,7 @@ def test_a_tiled_regions_intermediates_are_not_saved_and_only_weight_sums_change
     wide = (2, S, cfg.intermediate_size)  # the MLP's gate, up and gated product
     saved, loss, grads = {}, {}, {}
     for tile in (None, TILE):
-        mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=tile, dynamic=False)
+        mine = kernelgraft.optimize(copy.deepcopy(stock), backend="eager", tile_tokens=tile, dynamic=False, capture="whole")
         mine(**b).loss.backward()  # captured outside the hooks
         saved[tile], loss[tile] = _saved_shapes(mine, b)
         grads[tile] = {n: p.grad for n, p in mine.named_parameters()}
@@ -191,7 +193,7 @@ def test_checkpointed_layers_are_tiled_inside(backend):
     mine = copy.deepcopy(stock)
     mine.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     mine.train()
-    kernelgraft.optimize(mine, backend=backend, tile_tokens=TILE, dynamic=False)
+    kernelgraft.optimize(mine, backend=backend, tile_tokens=TILE, dynamic=False, capture="whole")
     _ok(compare_models(mine, stock, batch(S=20), compiled=False))
     tiles = [t for t in mine.kernelgraft_report.tiles if t.tiled]
     assert [t.module for t in tiles] == ["model.layers.0", "model.layers.1"]  # each layer's graph its own

@@ -35,6 +35,7 @@ def test_decode_measures_every_mode_and_compares_tokens_with_eager():
     work = res["batch 1"]["kernelgraft (eager)"]["first_call_compiled"]
     assert work["graphs"] >= 2 and work["seconds"], work
     assert res["batch 1"]["kernelgraft (eager)"]["captured"] in ("whole", "layers")
+    assert res["batch 1"]["kernelgraft (eager)"]["wrappers"] == {}  # the eager backend: no inductor graphs
     md = bench_decode.markdown(res)
     assert "**Greedy decoding, batch 2** (6-token prompt, 4 new tokens)" in md
     assert "| kernelgraft (eager) |" in md and "| 2 of 2 |" in md

@@ -126,7 +126,7 @@ class Options:
     checkpoints off the device. It replaces Hugging Face's gradient checkpointing where that is on.
     `None`: on where `memory` needs it."""
 
-    capture: str = "layers"
+    capture: str = "whole"
     """How the model is captured. `"whole"`: the model in one graph (every layer traced, rewritten
     and compiled on its own: the first call's compile grows with depth; fusions cross the layers'
     boundaries). `"layers"`: its decoder layers (the model's layer stack: the `nn.ModuleList` of one
@@ -135,9 +135,9 @@ class Options:
     final norm, the LM head and its loss are captured around them, and the layers' parent module
     (embeddings, rotary tables, the attention mask) runs as Python; a model without a layer stack
     is captured whole, and the report says why. `offload` (and a
-    `memory` that offloads) captures the layers so whatever this says. The default, "layers",
-    starts faster and steps no slower on the GPU rows benchmarks/RESULTS.md measures; "whole"
-    decodes faster (one graph per token instead of one per layer)."""
+    `memory` that offloads) captures the layers so whatever this says. "layers" starts faster and
+    steps no slower on the GPU rows benchmarks/RESULTS.md measures; "whole", the default, decodes
+    faster (one graph per token instead of one per layer)."""
 
     tile_tokens: int | None = None
     """Training graphs: the token-wise regions (norms, projections, gated MLPs, residual adds) whose

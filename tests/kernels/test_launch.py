@@ -346,6 +346,7 @@ def broken_kernels(monkeypatch):
     )
     monkeypatch.setattr(fallback, "FAILED", {})
     monkeypatch.setattr(fallback, "_FAILED_SITES", {})
+    monkeypatch.setattr(fallback, "_SITES", {})  # the sites named are this test's models', as in a fresh process
     return fallback
 
 
@@ -413,7 +414,7 @@ def test_a_kernel_that_runs_out_of_memory_raises_and_stays_in_use(monkeypatch, e
     assert len(calls) == 2 and torch.allclose(y, RMS.fn(x, w, 1e-6), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor", "inductor, reduce-overhead"])
+@pytest.mark.parametrize("backend", ["eager", "eager, layers", "inductor", "inductor, reduce-overhead"])
 def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, backend):
     """Every family's kernel fails at its first launch (the sites were replaced at capture): the
     step trains on with the stock code's numbers, a warning names the sites, and the report says
@@ -421,7 +422,8 @@ def test_a_model_whose_kernels_fail_trains_like_the_stock_one(broken_kernels, ba
     mode="reduce-overhead" the LM head is the variant that makes its gradients in the backward."""
     stock = tiny_model("llama")
     mode = "reduce-overhead" if "reduce-overhead" in backend else None
-    mine = kernelgraft.optimize(tiny_model("llama"), backend=backend.split(",")[0], mode=mode)
+    capture = "layers" if "layers" in backend else "whole"
+    mine = kernelgraft.optimize(tiny_model("llama"), backend=backend.split(",")[0], mode=mode, capture=capture)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         verdicts = compare_models(mine, stock, batch(), compiled=False, fell_back_ok=True)

@@ -263,11 +263,10 @@ def test_the_forward_above_the_layers_reads_as_the_models_own():
 
 
 def test_the_report_says_how_the_model_was_captured():
-    by_default = kernelgraft.optimize(tiny_model("llama"), backend="eager")
-    by_default(**batch()).loss.backward()
-    assert by_default.kernelgraft_report.captured_as["kind"] == "layers"  # the default: per layer class
-    assert "captured per layer class: the 2 layers of model.layers" in str(by_default.kernelgraft_report)
-    whole = kernelgraft.optimize(tiny_model("llama"), backend="eager", capture="whole")
+    layered = kernelgraft.optimize(tiny_model("llama"), backend="eager", capture="layers")
+    layered(**batch()).loss.backward()
+    assert "captured per layer class: the 2 layers of model.layers" in str(layered.kernelgraft_report)
+    whole = kernelgraft.optimize(tiny_model("llama"), backend="eager")  # the default
     whole(**batch()).loss.backward()
     said = str(whole.kernelgraft_report)
     assert 'captured whole: as capture="whole" asks' in said
